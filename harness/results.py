@@ -1,0 +1,83 @@
+"""Result model shared by `harness.compare` (producer) and `harness.report` (consumer).
+
+Plain dataclasses so that `dataclasses.asdict` gives the JSON written to `summary.json`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+Verdict = Literal["pass", "fail", "error"]
+DivergenceKind = Literal["loss", "grad", "param"]
+
+#: Parameter families used to group mismatches (see `reference_impl.names.family`).
+FAMILIES = ("embedding/head", "attention", "dense mlp", "router", "experts", "shared expert", "norms", "mtp")
+
+
+@dataclass
+class FirstDivergence:
+    """The earliest difference from the baseline.
+
+    Ordered by step, then kind (loss < grad < param), then microbatch (losses) or canonical
+    parameter order (grads/params).  `name` is `lm` / `mtp_1`… for losses and the global parameter
+    name otherwise; `detail` is a human sentence with both bit patterns.
+    """
+
+    step: int
+    kind: DivergenceKind
+    microbatch: Optional[int]
+    name: str
+    detail: str = ""
+
+
+@dataclass
+class StepSeries:
+    """Per-step scalars of one run, for curves and tables (index = step)."""
+
+    lm_loss: list[float] = field(default_factory=list)          # reported lm loss (global per-token mean)
+    lm_loss_hex: list[str] = field(default_factory=list)        # its fp32 bits, "0x3f8ccccd"
+    mtp_loss: list[list[float]] = field(default_factory=list)   # [step][depth k-1]
+    grad_norm: list[Optional[float]] = field(default_factory=list)  # None when clip_grad == 0
+    grad_norm_hex: list[Optional[str]] = field(default_factory=list)
+
+
+@dataclass
+class VariantResult:
+    """Outcome of one variant compared with the baseline (the baseline itself has expect='bitwise')."""
+
+    name: str
+    layout: str
+    pp: int
+    vpp: int
+    mtp_standalone: bool
+    expect: Literal["bitwise", "diverge"]
+    verdict: Verdict
+    bitwise_equal: Optional[bool]                 # None when the run errored
+    first_divergence: Optional[FirstDivergence]
+    reason: str = ""                              # one line: why pass/fail/error
+    error: Optional[str] = None                   # error text incl. the failing rank's last log lines
+    layout_grid: str = ""                         # `PipelineLayout.pretty()`
+    options: dict = field(default_factory=dict)   # the variant's overrides of the case defaults
+    series: StepSeries = field(default_factory=StepSeries)
+    # mismatch counts per step per family: {"grad": [{family: n}, ...per step], "param": [...]}
+    family_mismatches: dict = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    run_dir: str = ""                             # relative to the report dir
+    command: str = ""                             # command that reproduces this variant alone
+
+
+@dataclass
+class CaseResult:
+    """Everything the report needs for one case file."""
+
+    case: str
+    case_path: str
+    baseline: str
+    variants: list[VariantResult]                 # baseline first
+    elapsed_s: float
+    environment: dict                             # torch version, threads, python, platform, device
+    command: str                                  # command line that reproduces the whole report
+
+    @property
+    def all_pass(self) -> bool:
+        return all(v.verdict == "pass" for v in self.variants)

@@ -1,0 +1,45 @@
+"""Per-rank trace writer (append-only JSONL, flushed every record).
+
+Trace format ``bitparity-rank-trace/1`` (the contract between trainer and harness; see TRACE_FORMAT.md):
+one JSON object per line, each with ``"type"``:
+
+* ``header``: rank, world size, the flat stages this rank holds, and ``params``: a list of
+  {key, name, replica, shape, dtype, family, weight_decay, order} where ``key`` is the global name (plus
+  ``@replica``) and ``order`` = [section, layer id, index within layer] gives the canonical order;
+* ``init``: ``params``: {key: fingerprint} of the initial values;
+* ``step``: step index; ``grads`` / ``params`` / ``buffers``: {key: fingerprint} (grads after accumulation
+  and replica sync, before clipping; params after the optimizer step; buffers such as the expert bias after
+  their update); on the loss rank ``losses``: per microbatch {microbatch, lm, mtp: [..], num_tokens} where
+  each loss is {hex, value}, and ``lm_loss`` (reported); on every rank ``grad_norm`` and ``clip_coeff``
+  (null when clipping is off); ``time_s``;
+* ``end``: written after the last step.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .fingerprint import float_bits_hex
+
+FORMAT = "bitparity-rank-trace/1"
+
+
+def scalar(t: torch.Tensor) -> dict:
+    """{hex, value} of a one-element float tensor: exact bits plus the decimal value."""
+    return {"hex": float_bits_hex(t), "value": float(t.item())}
+
+
+class TraceWriter:
+    """Append-only JSONL writer; every record is flushed so a crashed rank leaves a readable prefix."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,161 @@
+"""Model, training and parallelism configuration, with Megatron-LM's argument names.
+
+Pydantic models (frozen, unknown keys rejected) so a YAML mapping loads straight into them and a typo
+is an error naming the key.  Field names follow `megatron/core/transformer/transformer_config.py`
+and `megatron/training/arguments.py`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_FREQ_TERM = re.compile(r"^\[\s*([01](?:\s*,\s*[01])*)\s*\](?:\s*\*\s*(\d+))?$")
+
+
+def parse_moe_layer_freq(value: Union[int, str, list[int]], num_layers: int) -> list[int]:
+    """Expand Megatron's `--moe-layer-freq` into a per-layer 0/1 list (1 = MoE).
+
+    Accepts an int N (every N-th layer is MoE, layer 0 included, as Megatron), a list of 0/1 of length
+    `num_layers`, or Megatron's string form such as ``"[0]*3+[1]*58"`` (parsed, never `eval`-ed).
+
+    Raises:
+        ValueError: malformed string, or a list whose length differs from `num_layers`.
+    """
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"moe_layer_freq must be >= 1, got {value}")
+        return [1 if i % value == 0 else 0 for i in range(num_layers)]
+    if isinstance(value, str):
+        pattern: list[int] = []
+        for term in value.split("+"):
+            m = _FREQ_TERM.match(term.strip())
+            if not m:
+                raise ValueError(f"moe_layer_freq {value!r}: cannot parse term {term.strip()!r} "
+                                 "(expected e.g. '[0]*3+[1]*58')")
+            pattern += [int(x) for x in m.group(1).split(",")] * int(m.group(2) or 1)
+        value = pattern
+    if len(value) != num_layers:
+        raise ValueError(f"moe_layer_freq has {len(value)} entries but num_layers is {num_layers}")
+    return list(value)
+
+
+class ModelConfig(_Strict):
+    """DeepSeek-V3-structured MoE + MTP transformer (DeepSeek-V3 tech report §2; Megatron TransformerConfig)."""
+
+    vocab_size: int = Field(256, ge=2)
+    hidden_size: int = Field(32, ge=2)
+    num_layers: int = Field(4, ge=1)
+    moe_layer_freq: Union[int, str, list[int]] = 1
+    # MLA (DeepSeek-V3 §2.1.1; Megatron MLATransformerConfig)
+    num_attention_heads: int = Field(2, ge=1)
+    q_lora_rank: int = Field(16, ge=1)
+    kv_lora_rank: int = Field(16, ge=1)
+    qk_head_dim: int = Field(8, ge=1)
+    qk_pos_emb_head_dim: int = Field(8, ge=2)
+    v_head_dim: int = Field(8, ge=1)
+    rotary_base: float = Field(10000.0, gt=0)
+    layernorm_epsilon: float = Field(1e-6, gt=0)
+    # dense SwiGLU MLP of the first-k layers
+    ffn_hidden_size: int = Field(64, ge=1)
+    # MoE (DeepSeek-V3 §2.1.2; Megatron moe_utils.topk_routing_with_score_function)
+    num_moe_experts: int = Field(8, ge=1)
+    moe_ffn_hidden_size: int = Field(16, ge=1)
+    moe_shared_expert_intermediate_size: int = Field(16, ge=1)
+    moe_router_topk: int = Field(2, ge=1)
+    moe_router_num_groups: int = Field(4, ge=1)
+    moe_router_group_topk: int = Field(2, ge=1)
+    moe_router_score_function: Literal["sigmoid"] = "sigmoid"
+    moe_router_enable_expert_bias: bool = True
+    moe_router_bias_update_rate: float = Field(1e-3, ge=0)
+    moe_router_topk_scaling_factor: float = Field(2.5, gt=0)
+    moe_aux_loss_coeff: float = Field(1e-4, ge=0)      # seq_aux_loss
+    # MTP (DeepSeek-V3 §2.2; Megatron multi_token_prediction.py)
+    mtp_num_layers: int = Field(1, ge=0)
+    mtp_loss_scaling_factor: float = Field(0.1, ge=0)
+    init_method_std: float = Field(0.02, gt=0)
+    # Fixed by design: untied head (the clean case of megatron-semantics §2.6) and no dropout (no RNG in forward).
+    untie_embeddings_and_output_weights: Literal[True] = True
+    hidden_dropout: Literal[0.0] = 0.0
+    attention_dropout: Literal[0.0] = 0.0
+
+    @field_validator("moe_layer_freq")
+    @classmethod
+    def _freq_shape(cls, v):
+        if isinstance(v, list) and any(x not in (0, 1) for x in v):
+            raise ValueError("moe_layer_freq list entries must be 0 or 1")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+        e, g, k, gk = (self.num_moe_experts, self.moe_router_num_groups,
+                       self.moe_router_topk, self.moe_router_group_topk)
+        if e % g:
+            raise ValueError(f"num_moe_experts={e} is not divisible by moe_router_num_groups={g}")
+        if gk > g:
+            raise ValueError(f"moe_router_group_topk={gk} exceeds moe_router_num_groups={g}")
+        if k % gk:
+            raise ValueError(f"moe_router_topk={k} is not divisible by moe_router_group_topk={gk}")
+        if k > gk * (e // g):
+            raise ValueError(f"moe_router_topk={k} exceeds the {gk * (e // g)} experts in the selected groups")
+        if k // gk > e // g:
+            raise ValueError(f"moe_router_topk/group_topk={k // gk} exceeds experts per group {e // g}")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError("qk_pos_emb_head_dim must be even (RoPE rotates pairs)")
+        return self
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Per global decoder layer id: 1 if MoE, 0 if dense."""
+        return parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+
+
+class DataConfig(_Strict):
+    """Token source.  `path=None`: CPython's `pydoc_data.topics` English text, byte-level tokens.
+    A `.txt` (or any text) file: byte-level tokens of that file.  A Megatron indexed dataset prefix
+    (`prefix.bin` + `prefix.idx`, MMIDIDX format): its token ids."""
+
+    path: Optional[str] = None
+
+
+class TrainingConfig(_Strict):
+    """Training loop settings (Megatron names)."""
+
+    seed: int = 1234
+    train_iters: int = Field(3, ge=1)
+    seq_length: int = Field(32, ge=2)
+    micro_batch_size: int = Field(2, ge=1)
+    num_microbatches: int = Field(4, ge=1)
+    lr: float = Field(1e-3, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = Field(0.1, ge=0)   # on matrices only
+    clip_grad: float = Field(0.0, ge=0)      # 0 = off
+    num_threads: int = Field(1, ge=1)        # torch.set_num_threads in every rank
+    data: DataConfig = DataConfig()
+
+
+class ParallelConfig(_Strict):
+    """Pipeline placement.  `virtual_pipeline_model_parallel_size` is derived from the layout."""
+
+    pipeline_model_parallel_layout: str
+    pipeline_model_parallel_size: int = Field(ge=1)
+
+
+class RunConfig(_Strict):
+    """One complete training run: what every rank receives."""
+
+    model: ModelConfig
+    training: TrainingConfig
+    parallel: ParallelConfig
+    device: Literal["cpu"] = "cpu"
+    inject: Optional[str] = None             # test-only planted fault (reference_impl.faults)
+    rank_timeout_s: float = Field(120.0, gt=0)  # gloo collective / p2p timeout inside ranks

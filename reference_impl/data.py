@@ -1,0 +1,115 @@
+"""Real-text token data, identical on every rank and in every layout.
+
+Sources (`DataConfig.path`): None -> CPython's bundled English documentation (`pydoc_data.topics`, one
+document per topic, byte-level tokens 1..255); a plain text file -> its bytes, one document per
+blank-line-separated paragraph block; a Megatron indexed dataset prefix (``prefix.bin`` + ``prefix.idx``,
+MMIDIDX v1 as in ``megatron/core/datasets/indexed_dataset.py``) -> its documents' token ids.
+
+Token id 0 is padding: a sample that runs past its document's end is padded with 0 and masked out of the
+loss, so token counts differ between microbatches (which the loss normalisation must get right).
+The sample for (step, microbatch, row) depends only on the seed, never on the rank or layout.
+"""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import DataConfig
+
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+               8: np.uint16}
+
+
+class DataError(ValueError):
+    """Unreadable or unsuitable data source (message names the file and the problem)."""
+
+
+def _pydoc_documents() -> list[np.ndarray]:
+    from pydoc_data.topics import topics
+    return [np.frombuffer(topics[k].encode("utf-8"), dtype=np.uint8).astype(np.int64) for k in sorted(topics)]
+
+
+def _text_documents(path: Path) -> list[np.ndarray]:
+    raw = path.read_bytes()
+    docs = [np.frombuffer(block, dtype=np.uint8).astype(np.int64) for block in raw.split(b"\n\n") if block.strip()]
+    return [d[d != 0] for d in docs]
+
+
+def _indexed_documents(prefix: Path) -> list[np.ndarray]:
+    idx, binf = prefix.with_name(prefix.name + ".idx"), prefix.with_name(prefix.name + ".bin")
+    for f in (idx, binf):
+        if not f.is_file():
+            raise DataError(f"data.path {prefix}: missing {f.name}")
+    buf = idx.read_bytes()
+    if not buf.startswith(_IDX_MAGIC):
+        raise DataError(f"data.path {idx}: not a Megatron MMIDIDX index (bad magic)")
+    off = len(_IDX_MAGIC)
+    (version,) = struct.unpack_from("<Q", buf, off)
+    (code,) = struct.unpack_from("<B", buf, off + 8)
+    (n_seq,) = struct.unpack_from("<Q", buf, off + 9)
+    if version != 1 or code not in _IDX_DTYPES:
+        raise DataError(f"data.path {idx}: unsupported index version {version} / dtype code {code}")
+    off += 9 + 16
+    sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=off)
+    pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=off + 4 * n_seq)
+    data = np.memmap(binf, dtype=np.uint8, mode="r")
+    dtype = np.dtype(_IDX_DTYPES[code])
+    return [np.frombuffer(data, dtype=dtype, count=int(n), offset=int(p)).astype(np.int64)
+            for n, p in zip(sizes, pointers)]
+
+
+def load_documents(cfg: DataConfig) -> list[np.ndarray]:
+    """Documents as int64 token arrays.  Raises `DataError` for a missing/unreadable/empty source."""
+    if cfg.path is None:
+        docs = _pydoc_documents()
+    else:
+        path = Path(cfg.path)
+        if path.is_file():
+            docs = _text_documents(path)
+        elif path.with_name(path.name + ".idx").exists() or path.with_name(path.name + ".bin").exists():
+            docs = _indexed_documents(path)
+        else:
+            raise DataError(f"data.path {cfg.path}: no such file (nor {path.name}.bin/.idx)")
+    docs = [d for d in docs if d.size >= 2]
+    if not docs:
+        raise DataError(f"data.path {cfg.path or 'pydoc_data.topics'}: no document with at least 2 tokens")
+    return docs
+
+
+class TokenDataset:
+    """Microbatches of ``micro_batch_size`` rows of ``seq_length`` tokens.
+
+    Row r of microbatch m of step k: a document and start offset drawn from
+    ``Generator(PCG64(SeedSequence([seed, k, m, r])))``; tokens = x[:-1], labels = x[1:], loss_mask = 1 where
+    the label is a real token.
+    """
+
+    def __init__(self, cfg: DataConfig, seed: int, seq_length: int, micro_batch_size: int, vocab_size: int):
+        self.docs = load_documents(cfg)
+        top = max(int(d.max()) for d in self.docs)
+        if top >= vocab_size:
+            raise DataError(f"data.path {cfg.path or 'pydoc_data.topics'}: token id {top} >= vocab_size {vocab_size}")
+        self.seed, self.s, self.b = seed, seq_length, micro_batch_size
+
+    def _row(self, step: int, mb: int, row: int) -> np.ndarray:
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, step, mb, row])))
+        doc = self.docs[int(rng.integers(len(self.docs)))]
+        # One row in four starts close to its document's end, so it is padded and partly masked.
+        if rng.random() < 0.25:
+            start = max(0, doc.size - int(rng.integers(2, self.s + 1)))
+        else:
+            start = int(rng.integers(max(1, doc.size - self.s)))
+        x = np.zeros(self.s + 1, dtype=np.int64)
+        piece = doc[start:start + self.s + 1]
+        x[:piece.size] = piece
+        return x
+
+    def microbatch(self, step: int, mb: int):
+        """(tokens [b, s] int64, labels [b, s] int64, loss_mask [b, s] fp32) on the CPU."""
+        rows = np.stack([self._row(step, mb, r) for r in range(self.b)])
+        tokens, labels = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+        return tokens, labels, (labels != 0).float()

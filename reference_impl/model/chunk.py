@@ -1,0 +1,103 @@
+"""One pipeline stage (a "model chunk" in Megatron) built from the layout, with global parameter names.
+
+A chunk's ``named_parameters()`` are already the global names (``decoder.layers.{global id}.…``), so
+traces from different layouts line up by name.  Placement rules (megatron-semantics §2.1-2.2):
+the embedding lives on the first stage and, as a replica, on the MTP stage; the decoder's final norm
+lives with the last decoder layer; the output head lives on the loss stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layout import PipelineLayout
+from .common import RMSNorm, rope_cos_sin
+from .layer import TransformerLayer
+from .losses import LossOutput, lm_and_mtp_loss
+from .mtp import MTPBlock
+
+
+@dataclass
+class Microbatch:
+    """One microbatch, identical on every rank: tokens/labels [b, s] int64, loss_mask [b, s] fp32."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+class _Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [b, s] -> [s, b, h] (Megatron's sequence-first layout)."""
+        return self.word_embeddings(ids).transpose(0, 1).contiguous()
+
+
+class StageChunk(nn.Module):
+    """The modules of flat stage ``flat`` of ``layout``.
+
+    forward(x, mb): x is the received activation ([s, b, h], or [(1+D)·s, b, h] after the MTP stage) or
+    None on the first stage.  Returns the activation to send, or a `LossOutput` on the loss stage.
+    """
+
+    def __init__(self, cfg: ModelConfig, layout: PipelineLayout, flat: int, num_microbatches: int):
+        super().__init__()
+        self.cfg, self.flat, self.num_microbatches = cfg, flat, num_microbatches
+        symbols = layout.stages[flat]
+        self.has_embedding_input = "E" in symbols
+        self.has_mtp = bool(layout.mtp_layer_ids(flat))
+        self.has_loss = "L" in symbols
+        self.has_final_norm = flat == layout.last_decoder_stage
+        moe = cfg.moe_layers
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, moe=bool(moe[i]))
+                                             for i in layout.decoder_layer_ids(flat)})
+        if self.has_final_norm:
+            self.decoder.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
+        if self.has_embedding_input or self.has_mtp:
+            self.embedding = _Embedding(cfg)
+        if self.has_mtp:
+            self.mtp = MTPBlock(cfg, moe=bool(moe[-1]))
+        if self.has_loss:
+            self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._rope: dict = {}
+
+    @property
+    def embedding_replica(self) -> Optional[str]:
+        """Replica tag of this chunk's word embedding: "mtp" on an MTP stage that is not the first stage."""
+        return "mtp" if self.has_mtp and not self.has_embedding_input else None
+
+    def rope(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (s, str(device))
+        if key not in self._rope:
+            cos, sin = rope_cos_sin(s, self.cfg.qk_pos_emb_head_dim, self.cfg.rotary_base)
+            self._rope[key] = (cos.to(device), sin.to(device))
+        return self._rope[key]
+
+    def forward(self, x: Optional[torch.Tensor], mb: Microbatch):
+        h = self.embedding(mb.tokens) if self.has_embedding_input else x
+        computed = self.has_embedding_input
+        cos, sin = self.rope(mb.tokens.shape[1], mb.tokens.device)
+        for layer in self.decoder.layers.values():
+            h, computed = layer(h, cos, sin), True
+        if self.has_final_norm:
+            h, computed = self.decoder.final_layernorm(h), True
+        if self.has_mtp:
+            h, computed = self.mtp(h, mb.tokens, self.embedding, cos, sin), True
+        if self.has_loss:
+            return lm_and_mtp_loss(self.output_layer, h, mb.labels, mb.loss_mask, self.cfg.mtp_num_layers,
+                                   self.cfg.mtp_loss_scaling_factor, self.num_microbatches)
+        # An empty stage passes its input on as a new tensor, like Megatron's empty TransformerBlock.
+        return h if computed else h.clone()
+
+    def moe_layers(self):
+        """All MoE layers of this chunk (decoder and MTP), for the aux-loss scale and expert-bias update."""
+        from .moe import MoELayer
+        return [m for m in self.modules() if isinstance(m, MoELayer)]

@@ -1,0 +1,80 @@
+"""Small building blocks: RMSNorm, RoPE, SwiGLU MLP, the identity loss-injection node and `roll_left`."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): ``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim.
+
+    Input/output [..., h] fp32; parameter ``weight`` [h] initialised to ones.
+    """
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_cos_sin(seq_len: int, dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables (Su et al. 2021) for positions 0..seq_len-1: cos, sin of shape [s, 1, 1, dim/2], fp32.
+
+    The same unshifted table serves the decoder and the MTP layers (megatron-semantics §2.3 step 3).
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float()[:, None, None, :], angles.sin().float()[:, None, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the last dim of x [s, b, n, d] with tables [s, 1, 1, d/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class SwiGLUMLP(nn.Module):
+    """SwiGLU MLP (Shazeer 2020) as Megatron's MLP with gated_linear_unit: ``fc2(silu(gate) * up)``.
+
+    ``linear_fc1.weight`` [2f, h] (gate rows first, then up), ``linear_fc2.weight`` [h, f]; no biases.
+    Input [t, h] or [s, b, h]; output of the same leading shape.
+    """
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.linear_fc2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+        return self.linear_fc2(F.silu(gate) * up)
+
+
+class LossAutoScaler(torch.autograd.Function):
+    """Identity on `output` whose backward also seeds ``d loss = scale`` (Megatron's MTPLossAutoScaler /
+    MoEAuxLossAutoScaler): an auxiliary loss enters the graph without being added to the main loss.
+
+    forward(output [any], loss [scalar], scale: float) -> output unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(loss, ctx.scale), None
+
+
+def roll_left(t: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``roll_tensor(shifts=-1, dims=-1)``: shift left by one along the last dim, zero the tail."""
+    out = torch.roll(t, shifts=-1, dims=-1)
+    out[..., -1] = 0
+    return out
