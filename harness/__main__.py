@@ -1,0 +1,7 @@
+"""``python -m harness`` = the ``bitparity`` console script."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

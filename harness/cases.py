@@ -1,0 +1,161 @@
+"""Case files: YAML -> validated plan (one `RunConfig` per variant), or one `UsageError` line.
+
+Schema (unknown keys and wrong types are errors naming the key)::
+
+    name: dsv3                       # optional, defaults to the file stem
+    description: ...
+    timeout_s: 600                   # per run watchdog
+    model: {ModelConfig fields}      # reference_impl.config
+    training: {TrainingConfig fields}
+    baseline: {name, pipeline_model_parallel_layout, pipeline_model_parallel_size, options}
+    variants:
+      - name: ...
+        pipeline_model_parallel_layout: "Et*3|(tt|)*29,m|L"
+        pipeline_model_parallel_size: 16
+        options: {clip_grad: 0.05}   # overrides of `training` for this variant
+        expect: bitwise | diverge
+        first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # optional, with diverge
+
+Every layout is parsed and validated and every schedule is dry-run (`reference_impl.schedule.simulate`)
+here, before anything runs or is written.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from reference_impl.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from reference_impl.data import DataError, TokenDataset
+from reference_impl.layout import LayoutError, PipelineLayout
+from reference_impl.schedule import ScheduleError, build_schedule, simulate
+
+from .errors import UsageError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExpectedDivergence(_Strict):
+    step: int = Field(ge=0)
+    kind: Literal["loss", "grad", "param"]
+    name: Optional[str] = None
+    microbatch: Optional[int] = None
+
+
+class VariantSpec(_Strict):
+    name: str = Field(min_length=1)
+    pipeline_model_parallel_layout: str
+    pipeline_model_parallel_size: int = Field(ge=1)
+    options: dict = Field(default_factory=dict)
+    expect: Literal["bitwise", "diverge"] = "bitwise"
+    first_divergence: Optional[ExpectedDivergence] = None
+
+
+class CaseSpec(_Strict):
+    name: Optional[str] = None
+    description: str = ""
+    timeout_s: float = Field(600.0, gt=0)
+    model: ModelConfig
+    training: TrainingConfig = TrainingConfig()
+    baseline: VariantSpec
+    variants: list[VariantSpec] = Field(default_factory=list)
+
+
+@dataclass
+class PlannedRun:
+    """One variant ready to run: its spec, full run config and validated layout."""
+
+    spec: VariantSpec
+    config: RunConfig
+    layout: PipelineLayout
+    is_baseline: bool
+
+
+@dataclass
+class CasePlan:
+    name: str
+    path: Path
+    spec: CaseSpec
+    runs: list[PlannedRun]      # baseline first
+
+
+def _loc(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    return f"{where}: {first['msg']}"
+
+
+def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Optional[str] = None) -> CasePlan:
+    """Read, validate and plan a case file.  `only` keeps the named variants (the baseline always runs).
+
+    Raises:
+        UsageError: missing file, YAML syntax, schema violation, invalid layout or option, impossible
+            schedule, duplicate or unknown variant names — one line naming the file and the place.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such case file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise UsageError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: a case file must be a YAML mapping")
+    try:
+        spec = CaseSpec.model_validate(raw)
+    except ValidationError as e:
+        raise UsageError(f"{path}: {_loc(e)}") from None
+    _check_data(path, spec)
+    names = [spec.baseline.name] + [v.name for v in spec.variants]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise UsageError(f"{path}: duplicate variant name {sorted(dup)[0]!r}")
+    if only:
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise UsageError(f"{path}: --only {unknown[0]!r} is not a variant (have: {', '.join(names)})")
+    runs = [_plan(path, spec, spec.baseline, True, inject)]
+    runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]
+    return CasePlan(name=spec.name or path.stem, path=path, spec=spec, runs=runs)
+
+
+def _check_data(path: Path, spec: CaseSpec) -> None:
+    """Load the data once here so a missing file or an out-of-vocabulary token is a usage error."""
+    data = spec.training.data
+    if data.path and not Path(data.path).is_absolute():      # relative to the case file
+        data = data.model_copy(update={"path": str((path.parent / data.path).resolve())})
+        spec.training = spec.training.model_copy(update={"data": data})
+    try:
+        TokenDataset(data, 0, spec.training.seq_length, 1, spec.model.vocab_size)
+    except DataError as e:
+        raise UsageError(f"{path}: training.{e}") from None
+
+
+def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject: Optional[str]) -> PlannedRun:
+    where = f"{path}: {'baseline' if is_baseline else 'variant'} {v.name!r}"
+    if is_baseline and (v.expect != "bitwise" or v.first_divergence):
+        raise UsageError(f"{where}: the baseline cannot carry an expectation")
+    if v.first_divergence and v.expect != "diverge":
+        raise UsageError(f"{where}: first_divergence is only meaningful with expect: diverge")
+    try:
+        training = TrainingConfig.model_validate({**spec.training.model_dump(), **v.options})
+    except ValidationError as e:
+        raise UsageError(f"{where}: options.{_loc(e)}") from None
+    try:
+        layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, v.pipeline_model_parallel_size,
+                                            spec.model.num_layers, spec.model.mtp_num_layers)
+        simulate(build_schedule(layout, training.num_microbatches, training.seq_length,
+                                training.micro_batch_size, spec.model.hidden_size))
+    except (LayoutError, ScheduleError) as e:
+        raise UsageError(f"{where}: {e}") from None
+    config = RunConfig(model=spec.model, training=training, inject=inject,
+                       parallel=ParallelConfig(pipeline_model_parallel_layout=v.pipeline_model_parallel_layout,
+                                               pipeline_model_parallel_size=v.pipeline_model_parallel_size))
+    return PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)

@@ -1,0 +1,117 @@
+"""Command line: ``bitparity verify | layout explain | schedule explain`` (also ``python -m harness``).
+
+Exit codes: 0 every expectation holds; 1 at least one does not (fail or error verdict);
+2 bad input or a harness error — one line on stderr, no traceback, nothing written.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from .errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):          # argparse's own usage errors: one line, exit 2
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="bitparity", description="Bitwise-determinism verification for pipeline-parallel MoE+MTP training.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    v = sub.add_parser("verify", help="run a case's variants, compare bitwise with the baseline, write the report")
+    v.add_argument("case", help="case YAML file, e.g. cases/dsv3.yaml")
+    v.add_argument("--out", default="reports", help="report root (default: reports/); the report goes to OUT/<case>/")
+    v.add_argument("--only", action="append", metavar="VARIANT", help="run only this variant (repeatable)")
+    v.add_argument("--timeout", type=float, help="per-run watchdog in seconds (default: the case's timeout_s)")
+    v.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)   # test-only planted faults
+    lay = sub.add_parser("layout", help="layout tools").add_subparsers(dest="action", required=True,
+                                                                          parser_class=_Parser)
+    le = lay.add_parser("explain", help="parse, validate and print a pipeline layout as a rank x stage grid")
+    le.add_argument("layout")
+    le.add_argument("--pp", type=int, required=True, help="pipeline_model_parallel_size")
+    le.add_argument("--num-layers", type=int, help="decoder layers (default: as many 't' as the layout has)")
+    le.add_argument("--mtp-num-layers", type=int, help="MTP depth D (default: as many 'm' as the layout has)")
+    sch = sub.add_parser("schedule", help="schedule tools").add_subparsers(dest="action", required=True,
+                                                                            parser_class=_Parser)
+    se = sch.add_parser("explain", help="print the per-rank compute order of a schedule")
+    se.add_argument("--pp", type=int, required=True)
+    se.add_argument("--vpp", type=int, default=1)
+    se.add_argument("--microbatches", type=int, required=True)
+    se.add_argument("--all", action="store_true", help="also show send/recv actions")
+    return p
+
+
+def _layout_explain(args) -> int:
+    from reference_impl.layout import LayoutError, PipelineLayout, parse_layout
+    try:
+        stages = parse_layout(args.layout)
+        flat = [s for stage in stages for s in stage]
+        layout = PipelineLayout.from_string(args.layout, args.pp,
+                                            args.num_layers if args.num_layers is not None else flat.count("t"),
+                                            args.mtp_num_layers if args.mtp_num_layers is not None else flat.count("m"))
+    except LayoutError as e:
+        raise UsageError(str(e)) from None
+    print(layout.pretty())
+    print(f"canonical: {layout.canonical()}")
+    return 0
+
+
+def _schedule_explain(args) -> int:
+    from reference_impl.layout import PipelineLayout
+    from reference_impl.schedule import ScheduleError, build_schedule, grid, simulate
+    if min(args.pp, args.vpp, args.microbatches) < 1:
+        raise UsageError("--pp, --vpp and --microbatches must be >= 1")
+    stages = args.pp * args.vpp
+    text = "|".join(["Et"] + ["t"] * (stages - 2) + ["tL"]) if stages > 1 else "EtL"
+    layout = PipelineLayout.from_string(text, args.pp, stages, 0)
+    try:
+        lists = build_schedule(layout, args.microbatches, 1, 1, 1)
+        rounds = simulate(lists)
+    except ScheduleError as e:
+        raise UsageError(str(e)) from None
+    kind = "no pipelining" if args.pp == 1 else ("1F1B" if args.vpp == 1 else "interleaved 1F1B")
+    print(f"{kind}: P={args.pp} V={args.vpp} M={args.microbatches}  (F<stage>.<microbatch>; dry run: "
+          f"{rounds} rounds, no deadlock)")
+    print(grid(lists, compute_only=not args.all))
+    return 0
+
+
+def _verify(args, argv) -> int:
+    from .cases import load_case
+    from .verify import verify
+    plan = load_case(args.case, only=args.only, inject=args.inject)
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError("--timeout must be > 0")
+    result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout)
+    n_pass = sum(v.verdict == "pass" for v in result.variants)
+    print(f"{plan.name}: {n_pass}/{len(result.variants)} pass in {result.elapsed_s:.1f} s; "
+          f"report: {Path(args.out) / plan.name / 'index.html'}")
+    return 0 if result.all_pass else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``bitparity`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "verify":
+            return _verify(args, argv)
+        if args.command == "layout":
+            return _layout_explain(args)
+        return _schedule_explain(args)
+    except UsageError as e:
+        print(f"bitparity: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bitparity: interrupted", file=sys.stderr)
+        return 2
+    except Exception as e:                     # a harness bug: still one line and exit 2
+        print(f"bitparity: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Merge the per-rank JSONL traces of one run into one canonical, layout-independent trace.
+
+Input: ``rank{r}.jsonl`` in format ``bitparity-rank-trace/1`` (documented in `reference_impl.capture`).
+Output (`Trace`, saved as ``trace.json``): parameters keyed by global name (``name@replica`` for replicas),
+ordered canonically (embedding, decoder layers by global id, final norm, MTP depths, head; within a layer in
+module order), with per-step losses, grad norm, and grad / param / buffer fingerprints.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+RANK_FORMAT = "bitparity-rank-trace/1"
+FORMAT = "bitparity-trace/1"
+
+
+class TraceError(Exception):
+    """A rank trace is missing, truncated, or inconsistent with the others."""
+
+
+@dataclass
+class StepTrace:
+    step: int
+    losses: list = field(default_factory=list)       # per microbatch: {microbatch, lm, mtp, num_tokens}
+    lm_loss: Optional[dict] = None                   # {hex, value}
+    grad_norm: Optional[dict] = None
+    clip_coeff: Optional[dict] = None
+    grads: dict = field(default_factory=dict)        # key -> fingerprint hex
+    params: dict = field(default_factory=dict)
+    buffers: dict = field(default_factory=dict)
+    time_s: dict = field(default_factory=dict)       # rank -> seconds
+
+
+@dataclass
+class Trace:
+    format: str
+    params: dict                                     # key -> {name, replica, shape, dtype, family, ...}
+    order: list                                      # keys in canonical order
+    init: dict                                       # key -> fingerprint of the initial value
+    steps: list                                      # [StepTrace]
+    world_size: int
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> "Trace":
+        raw = json.loads(path.read_text())
+        raw["steps"] = [StepTrace(**s) for s in raw["steps"]]
+        return cls(**raw)
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise TraceError(f"missing rank trace {path}")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records or records[0].get("type") != "header" or records[0].get("format") != RANK_FORMAT:
+        raise TraceError(f"{path}: not a {RANK_FORMAT} trace")
+    if records[-1].get("type") != "end":
+        raise TraceError(f"{path}: truncated (no end record)")
+    return records
+
+
+def merge(run_dir: Path, world_size: int) -> Trace:
+    """Read ``rank0..rank{world_size-1}.jsonl`` from `run_dir` and merge them.
+
+    Raises:
+        TraceError: a rank trace is missing or truncated, two ranks hold the same key, or the ranks
+            disagree on the number of steps.
+    """
+    params, owner, init, steps = {}, {}, {}, {}
+    for rank in range(world_size):
+        records = _read(run_dir / f"rank{rank}.jsonl")
+        for meta in records[0]["params"]:
+            key = meta["key"]
+            if key in params:
+                raise TraceError(f"parameter {key} is held by ranks {owner[key]} and {rank}")
+            params[key], owner[key] = {**meta, "rank": rank}, rank
+        for rec in records[1:-1]:
+            if rec["type"] == "init":
+                init.update(rec["params"])
+                continue
+            st = steps.setdefault(rec["step"], StepTrace(step=rec["step"]))
+            for part in ("grads", "params", "buffers"):
+                getattr(st, part).update(rec[part])
+            if "losses" in rec:
+                st.losses, st.lm_loss = rec["losses"], rec["lm_loss"]
+            st.grad_norm, st.clip_coeff = rec["grad_norm"], rec["clip_coeff"]
+            st.time_s[str(rank)] = rec["time_s"]
+    counts = {len(st.time_s) for st in steps.values()}
+    if counts and counts != {world_size}:
+        raise TraceError(f"ranks disagree on the number of steps in {run_dir}")
+    order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
+    return Trace(format=FORMAT, params=params, order=order, init=init,
+                 steps=[steps[k] for k in sorted(steps)], world_size=world_size)

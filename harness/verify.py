@@ -1,0 +1,152 @@
+"""`bitparity verify`: run every variant of a case, compare each with the baseline, write the report.
+
+Everything is written into ``<out>/.<case>.partial/`` and moved to ``<out>/<case>/`` only when complete,
+so an interrupted or failed harness never leaves a half-written report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Optional
+
+from reference_impl.schedule import build_schedule, serialise
+
+from .cases import CasePlan, PlannedRun
+from .compare import Comparison, compare
+from .report import write_report
+from .results import CaseResult, StepSeries, VariantResult
+from .runner import RunOutcome, run_ranks
+from .trace import Trace, TraceError, merge
+
+
+def environment() -> dict:
+    """Facts that bitwise results depend on (recorded in every manifest and shown in the report)."""
+    return {"torch": metadata.version("torch"), "bitparity": metadata.version("bitparity"),
+            "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _dir_name(name: str, taken: set) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "variant"
+    candidate, i = base, 1
+    while candidate in taken:
+        i += 1
+        candidate = f"{base}_{i}"
+    taken.add(candidate)
+    return candidate
+
+
+def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optional[Trace], env: dict,
+              command: str) -> dict:
+    t = run.config.training
+    lists = build_schedule(run.layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
+                           run.config.model.hidden_size)
+    step_times = [max(st.time_s.values()) for st in trace.steps] if trace else []
+    return {"format": "bitparity-manifest/1", "case": plan.name, "variant": run.spec.name,
+            "config": run.config.model_dump(mode="json"),
+            "layout": {"text": run.layout.text, "pipeline_model_parallel_size": run.layout.pipeline_model_parallel_size,
+                       "virtual_pipeline_model_parallel_size": run.layout.virtual_pipeline_model_parallel_size,
+                       "mtp_standalone": run.layout.mtp_standalone, "grid": run.layout.pretty()},
+            "schedule": serialise(lists), "environment": env, "num_threads": t.num_threads,
+            "device": run.config.device, "seed": t.seed, "command": command,
+            "timings": {"elapsed_s": outcome.elapsed_s, "step_time_s": step_times}, "ok": outcome.ok,
+            "error": outcome.error}
+
+
+def _series(trace: Optional[Trace]) -> StepSeries:
+    s = StepSeries()
+    for st in trace.steps if trace else []:
+        s.lm_loss.append(st.lm_loss["value"] if st.lm_loss else float("nan"))
+        s.lm_loss_hex.append(st.lm_loss["hex"] if st.lm_loss else "")
+        depths = len(st.losses[0]["mtp"]) if st.losses else 0
+        s.mtp_loss.append([sum(l["mtp"][k]["value"] for l in st.losses) / len(st.losses) for k in range(depths)])
+        s.grad_norm.append(st.grad_norm["value"] if st.grad_norm else None)
+        s.grad_norm_hex.append(st.grad_norm["hex"] if st.grad_norm else None)
+    return s
+
+
+def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str]) -> tuple[str, str]:
+    """(verdict, one-line reason) for a variant from its expectation and comparison."""
+    if error:
+        return "error", error.splitlines()[0]
+    fd, exp = cmp.first_divergence, run.spec
+    where = f"first divergence: step {fd.step} {fd.kind} {fd.name}" if fd else ""
+    if exp.expect == "bitwise":
+        return ("pass", "bitwise equal to the baseline") if cmp.bitwise_equal else \
+            ("fail", f"expected bitwise equality; {where}")
+    if cmp.bitwise_equal:
+        return "fail", "expected a divergence but the run is bitwise equal to the baseline"
+    want = exp.first_divergence
+    if want:
+        mismatch = [f"{k} {getattr(fd, k)!r} (expected {getattr(want, k)!r})" for k in ("step", "kind", "name",
+                    "microbatch") if getattr(want, k) is not None and getattr(want, k) != getattr(fd, k)]
+        if mismatch:
+            return "fail", "diverged elsewhere than expected: " + ", ".join(mismatch)
+    return "pass", f"diverges as expected; {where}"
+
+
+def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
+           progress: Callable[[str], None] = print) -> CaseResult:
+    """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``)."""
+    start = time.monotonic()
+    final, work = out_root / plan.name, out_root / f".{plan.name}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = environment()
+    timeout = timeout_s or plan.spec.timeout_s
+    traces, outcomes, dirs, taken = {}, {}, {}, set()
+    for i, run in enumerate(plan.runs, start=1):
+        name = run.spec.name
+        dirs[name] = Path("runs") / _dir_name(name, taken)
+        progress(f"[{i}/{len(plan.runs)}] {name}: P={run.layout.pipeline_model_parallel_size} "
+                 f"V={run.layout.virtual_pipeline_model_parallel_size} {run.layout.text} ...")
+        outcome = run_ranks(run.config, work / dirs[name], timeout)
+        trace = None
+        if outcome.ok:
+            try:
+                trace = merge(work / dirs[name], run.layout.pipeline_model_parallel_size)
+                trace.save(work / dirs[name] / "trace.json")
+            except TraceError as e:
+                outcome = RunOutcome(False, f"trace error: {e}", outcome.elapsed_s)
+        reproduce = f"bitparity verify {plan.path} --only {name}"
+        (work / dirs[name] / "manifest.json").write_text(
+            json.dumps(_manifest(plan, run, outcome, trace, env, reproduce), indent=1))
+        traces[name], outcomes[name] = trace, outcome
+        progress(f"      {'ran' if outcome.ok else 'ERROR'} in {outcome.elapsed_s:.1f} s"
+                 + ("" if outcome.ok else f": {outcome.error.splitlines()[0]}"))
+    base_name = plan.runs[0].spec.name
+    base = traces[base_name]
+    variants = []
+    for run in plan.runs:
+        name, trace, outcome = run.spec.name, traces[run.spec.name], outcomes[run.spec.name]
+        error = outcome.error if not outcome.ok else (
+            None if base is not None else f"baseline {base_name!r} did not run, nothing to compare with")
+        cmp = compare(base, trace) if error is None else None
+        verdict, reason = judge(run, cmp, error)
+        variants.append(VariantResult(
+            name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
+            vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
+            expect=run.spec.expect, verdict=verdict, bitwise_equal=cmp.bitwise_equal if cmp else None,
+            first_divergence=cmp.first_divergence if cmp else None, reason=reason, error=error,
+            layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=_series(trace),
+            family_mismatches=cmp.family_mismatches if cmp else {}, elapsed_s=outcome.elapsed_s,
+            run_dir=str(dirs[name]), command=f"bitparity verify {plan.path} --only {name}"))
+        progress(f"{verdict.upper():5} {name}: {reason}")
+    env["num_threads"] = plan.spec.training.num_threads
+    env["device"] = "cpu"
+    result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
+                        elapsed_s=time.monotonic() - start, environment=env, command=command)
+    write_report(result, work)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(work, final)
+    return result
