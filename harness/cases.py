@@ -15,6 +15,7 @@ Schema (unknown keys and wrong types are errors naming the key)::
         options: {clip_grad: 0.05}   # overrides of `training` for this variant
         expect: bitwise | diverge
         first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # optional, with diverge
+        inject: grad_bit_flip        # test-only planted fault (reference_impl.faults); --inject sets it for all
 
 Every layout is parsed and validated and every schedule is dry-run (`reference_impl.schedule.simulate`)
 here, before anything runs or is written.
@@ -28,6 +29,7 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from reference_impl import faults
 from reference_impl.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 from reference_impl.data import DataError, TokenDataset
 from reference_impl.layout import LayoutError, PipelineLayout
@@ -54,6 +56,7 @@ class VariantSpec(_Strict):
     options: dict = Field(default_factory=dict)
     expect: Literal["bitwise", "diverge"] = "bitwise"
     first_divergence: Optional[ExpectedDivergence] = None
+    inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
 
 
 class CaseSpec(_Strict):
@@ -155,7 +158,12 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
                                 training.micro_batch_size, spec.model.hidden_size))
     except (LayoutError, ScheduleError) as e:
         raise UsageError(f"{where}: {e}") from None
-    config = RunConfig(model=spec.model, training=training, inject=inject,
+    fault = v.inject or (None if is_baseline else inject)
+    try:
+        faults.check(fault)
+    except faults.FaultError as e:
+        raise UsageError(f"{where}: {e}") from None
+    config = RunConfig(model=spec.model, training=training, inject=fault,
                        parallel=ParallelConfig(pipeline_model_parallel_layout=v.pipeline_model_parallel_layout,
                                                pipeline_model_parallel_size=v.pipeline_model_parallel_size))
     return PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import names
+from . import faults, names
 from .capture import FORMAT, TraceWriter, scalar
 from .config import RunConfig
 from .data import TokenDataset
@@ -118,6 +118,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path) -> None:
     layout = state.layout
     actions = build_schedule(layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
                              cfg.model.hidden_size)[rank]
+    actions = faults.schedule(cfg.inject, actions, layout, rank)
     group_info = embedding_group(layout)
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, cfg.model.vocab_size)
     executor = StepExecutor(state.chunks, t.num_microbatches, state.device)
@@ -127,12 +128,14 @@ def train(cfg: RunConfig, rank: int, trace_path: Path) -> None:
     writer.write({"type": "init", "params": {k: fingerprint_hex(p) for k, _, _, p in state.params}})
     for step in range(t.train_iters):
         start = time.perf_counter()
+        faults.at_step_start(cfg.inject, step, rank, dist.get_world_size())
         mbs = [Microbatch(*(x.to(state.device) for x in data.microbatch(step, m))) for m in range(t.num_microbatches)]
         outs = executor.run(actions, mbs)
         sync_embedding_replicas(state, group_info)
         for chunk in state.chunks.values():
             for layer in chunk.moe_layers():
                 layer.router.update_expert_bias()
+        faults.after_grads(cfg.inject, step, state.params, cfg.model.num_layers)
         record = {"type": "step", "step": step,
                   "grads": {k: fingerprint_hex(p.main_grad) for k, _, _, p in state.params}}
         record["grad_norm"] = record["clip_coeff"] = None
