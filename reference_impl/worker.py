@@ -31,7 +31,7 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=cfg.rank_timeout_s))
     try:
-        print(f"rank {rank}/{world_size}: torch {torch.__version__}, threads {torch.get_num_threads()}")
+        print(f"rank {rank}/{world_size} pid {os.getpid()}: torch {torch.__version__}, threads {torch.get_num_threads()}")
         train(cfg, rank, Path(run_dir) / f"rank{rank}.jsonl")
         print(f"rank {rank}: done")
     finally:

@@ -1,0 +1,18 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, cwd=ROOT, timeout=600):
+    """Run ``python -m harness ARGS``; returns the CompletedProcess (text mode)."""
+    return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
