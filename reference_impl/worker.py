@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch._inductor.config  # noqa: F401  use_deterministic_algorithms imports it (~2 s): pay once, pre-fork
 import torch.distributed as dist
 
 from .config import RunConfig
