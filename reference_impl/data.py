@@ -47,19 +47,24 @@ def _indexed_documents(prefix: Path) -> list[np.ndarray]:
     buf = idx.read_bytes()
     if not buf.startswith(_IDX_MAGIC):
         raise DataError(f"data.path {idx}: not a Megatron MMIDIDX index (bad magic)")
-    off = len(_IDX_MAGIC)
-    (version,) = struct.unpack_from("<Q", buf, off)
-    (code,) = struct.unpack_from("<B", buf, off + 8)
-    (n_seq,) = struct.unpack_from("<Q", buf, off + 9)
-    if version != 1 or code not in _IDX_DTYPES:
-        raise DataError(f"data.path {idx}: unsupported index version {version} / dtype code {code}")
-    off += 9 + 16
-    sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=off)
-    pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=off + 4 * n_seq)
-    data = np.memmap(binf, dtype=np.uint8, mode="r")
-    dtype = np.dtype(_IDX_DTYPES[code])
-    return [np.frombuffer(data, dtype=dtype, count=int(n), offset=int(p)).astype(np.int64)
-            for n, p in zip(sizes, pointers)]
+    try:
+        off = len(_IDX_MAGIC)
+        version, code, n_seq, n_doc = struct.unpack_from("<QBQQ", buf, off)
+        if version != 1 or code not in _IDX_DTYPES:
+            raise DataError(f"data.path {idx}: unsupported index version {version} / dtype code {code}")
+        off += struct.calcsize("<QBQQ")
+        sizes = np.frombuffer(buf, dtype=np.int32, count=n_seq, offset=off)
+        pointers = np.frombuffer(buf, dtype=np.int64, count=n_seq, offset=off + 4 * n_seq)
+        doc_idx = np.frombuffer(buf, dtype=np.int64, count=n_doc, offset=off + 12 * n_seq)
+        data = np.memmap(binf, dtype=np.uint8, mode="r")
+        dtype = np.dtype(_IDX_DTYPES[code])
+        seqs = [np.frombuffer(data, dtype=dtype, count=int(n), offset=int(p)).astype(np.int64)
+                for n, p in zip(sizes, pointers)]
+    except (struct.error, ValueError) as e:
+        raise DataError(f"data.path {prefix} ({idx.name}, {binf.name}): unreadable indexed dataset ({e})") from None
+    # A document is the run of sequences between consecutive doc_idx entries (Megatron's document_indices).
+    bounds = [int(b) for b in doc_idx] if n_doc >= 2 else [0, len(seqs)]
+    return [np.concatenate(seqs[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
 def load_documents(cfg: DataConfig) -> list[np.ndarray]:
@@ -68,6 +73,10 @@ def load_documents(cfg: DataConfig) -> list[np.ndarray]:
         docs = _pydoc_documents()
     else:
         path = Path(cfg.path)
+        if path.suffix in (".bin", ".idx") and path.is_file():   # a prefix given with its extension
+            path = path.with_suffix("")
+        if not cfg.path.strip():
+            raise DataError("data.path is empty")
         if path.is_file():
             docs = _text_documents(path)
         elif path.with_name(path.name + ".idx").exists() or path.with_name(path.name + ".bin").exists():
@@ -90,7 +99,9 @@ class TokenDataset:
 
     def __init__(self, cfg: DataConfig, seed: int, seq_length: int, micro_batch_size: int, vocab_size: int):
         self.docs = load_documents(cfg)
-        top = max(int(d.max()) for d in self.docs)
+        top, low = max(int(d.max()) for d in self.docs), min(int(d.min()) for d in self.docs)
+        if low < 0:
+            raise DataError(f"data.path {cfg.path}: negative token id {low}")
         if top >= vocab_size:
             raise DataError(f"data.path {cfg.path or 'pydoc_data.topics'}: token id {top} >= vocab_size {vocab_size}")
         self.seed, self.s, self.b = seed, seq_length, micro_batch_size

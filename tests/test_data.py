@@ -220,12 +220,9 @@ def test_empty_text_file_raises(tmp_path):
         load_documents(DataConfig(path=str(f)))
 
 
-# --- known gaps (library bugs reported, not fixed here): unreadable indexed data must raise DataError ---------
-
-_UNREADABLE = "load_documents promises DataError naming the file for an unreadable source; it leaks a raw error"
+# --- unreadable indexed data raises DataError naming the files ---------
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, struct.error), reason=_UNREADABLE)
 def test_truncated_idx_raises_data_error(tmp_path):
     (tmp_path / "trunc.idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1))   # header cut short
     (tmp_path / "trunc.bin").write_bytes(np.arange(1, 5, dtype=np.int32).tobytes())
@@ -233,7 +230,6 @@ def test_truncated_idx_raises_data_error(tmp_path):
         load_documents(DataConfig(path=str(tmp_path / "trunc")))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=_UNREADABLE)
 @pytest.mark.parametrize("bin_bytes", [b"", np.array([1, 2, 3], dtype=np.int32).tobytes()])
 def test_bin_shorter_than_index_raises_data_error(tmp_path, bin_bytes):
     """An empty .bin, or one shorter than the sizes/pointers in the .idx claim."""
@@ -241,3 +237,14 @@ def test_bin_shorter_than_index_raises_data_error(tmp_path, bin_bytes):
     (tmp_path / "short.bin").write_bytes(bin_bytes)
     with pytest.raises(DataError, match=r"short"):
         load_documents(DataConfig(path=prefix))
+
+
+def test_negative_and_empty_and_extension_paths(tmp_path):
+    """Negative ids, an empty path, and a prefix given with its .idx extension."""
+    prefix = write_mmidx(tmp_path / "neg", [[1, -5, 3]], 4)
+    with pytest.raises(DataError, match="negative token id -5"):
+        TokenDataset(DataConfig(path=prefix), 0, 4, 1, 256)
+    with pytest.raises(DataError, match="empty"):
+        load_documents(DataConfig(path=" "))
+    good = write_mmidx(tmp_path / "good", [[1, 2, 3], [4, 5, 6, 7]], 4)
+    assert [d.tolist() for d in load_documents(DataConfig(path=good + ".idx"))] == [[1, 2, 3], [4, 5, 6, 7]]
