@@ -13,8 +13,10 @@ Schema (unknown keys and wrong types are errors naming the key)::
         pipeline_model_parallel_layout: "Et*3|(tt|)*29,m|L"
         pipeline_model_parallel_size: 16
         options: {clip_grad: 0.05}   # overrides of `training` for this variant
+        compare_to: other-variant    # reference run (default: the baseline)
         expect: bitwise | diverge
-        first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # optional, with diverge
+        first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # optional, with diverge;
+                                     # kinds: loss, grad, grad_norm, param
         inject: grad_bit_flip        # test-only planted fault (reference_impl.faults); --inject sets it for all
 
 Every layout is parsed and validated and every schedule is dry-run (`reference_impl.schedule.simulate`)
@@ -44,7 +46,7 @@ class _Strict(BaseModel):
 
 class ExpectedDivergence(_Strict):
     step: int = Field(ge=0)
-    kind: Literal["loss", "grad", "param"]
+    kind: Literal["loss", "grad", "grad_norm", "param"]
     name: Optional[str] = None
     microbatch: Optional[int] = None
 
@@ -57,6 +59,7 @@ class VariantSpec(_Strict):
     expect: Literal["bitwise", "diverge"] = "bitwise"
     first_divergence: Optional[ExpectedDivergence] = None
     inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
+    compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
 
 
 class CaseSpec(_Strict):
@@ -120,10 +123,24 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise UsageError(f"{path}: duplicate variant name {sorted(dup)[0]!r}")
+    for v in spec.variants:
+        if v.compare_to is not None and v.compare_to not in names:
+            raise UsageError(f"{path}: variant {v.name!r}: compare_to {v.compare_to!r} is not a variant")
+        if v.compare_to == v.name:
+            raise UsageError(f"{path}: variant {v.name!r}: compare_to names itself")
     if only:
         unknown = [n for n in only if n not in names]
         if unknown:
             raise UsageError(f"{path}: --only {unknown[0]!r} is not a variant (have: {', '.join(names)})")
+    if only:      # keep the selected variants and, transitively, the runs they are compared with
+        refs = {v.name: v.compare_to or spec.baseline.name for v in spec.variants}
+        keep, todo = set(), list(only)
+        while todo:
+            n = todo.pop()
+            if n not in keep:
+                keep.add(n)
+                todo += [refs[n]] if n in refs else []
+        only = keep
     runs = [_plan(path, spec, spec.baseline, True, inject)]
     runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]
     return CasePlan(name=spec.name or path.stem, path=path, spec=spec, runs=runs)

@@ -2,8 +2,9 @@
 
 Walk order (the order in which one training step produces its numbers): steps ascending; within a step,
 losses (microbatches ascending; lm then mtp_1..mtp_D; then the reported lm loss) before gradients (canonical
-parameter order) before parameters after the optimizer step (canonical order, then buffers such as the
-expert bias).  The first difference in that order is the first divergence.
+parameter order) before the grad norm (when both runs clip) before parameters after the optimizer step
+(canonical order, then buffers such as the expert bias).  The first difference in that order is the first
+divergence.
 """
 from __future__ import annotations
 
@@ -26,13 +27,24 @@ class Comparison:
     grad_norm_ulps: list = field(default_factory=list)   # per step: |ulp distance| or None
 
 
-def ulp_distance_fp32(a_hex: str, b_hex: str) -> int:
-    """Distance in fp32 units in the last place between two fp32 bit patterns ('0x3f800000'), counting
-    across zero (the usual sign-magnitude -> monotone integer map; +0 and -0 are 0 apart)."""
+def ulp_distance(a_hex: str, b_hex: str) -> int:
+    """Distance in units in the last place between two IEEE bit patterns of the same width, given as hex
+    ('0x3f800000' fp32, 16 digits fp64, 4 digits bf16/fp16): the number of representable values between
+    them.  Sign-magnitude bits map to a monotone integer line, so the count crosses zero correctly and
+    +0 / -0 are 0 apart.
+
+    Raises:
+        ValueError: the two patterns have different widths.
+    """
+    a, b = a_hex.removeprefix("0x"), b_hex.removeprefix("0x")
+    if len(a) != len(b):
+        raise ValueError(f"cannot compare {a_hex} and {b_hex}: different widths")
+    sign = 1 << (4 * len(a) - 1)
+
     def ordered(h: str) -> int:
         v = int(h, 16)
-        return v if v < 0x80000000 else 0x80000000 - v
-    return abs(ordered(a_hex) - ordered(b_hex))
+        return v if v < sign else sign - v
+    return abs(ordered(a) - ordered(b))
 
 
 def _loss_diffs(base_step, other_step):
@@ -72,11 +84,15 @@ def compare(base: Trace, other: Trace) -> Comparison:
         for mb, name, b, o in _loss_diffs(bs, os_):
             if first is None:
                 first = FirstDivergence(bs.step, "loss", mb, name, f"{name}: baseline {b['hex']} vs {o['hex']}")
-        if bs.grad_norm and os_.grad_norm:
-            norm_ulps.append(ulp_distance_fp32(bs.grad_norm["hex"], os_.grad_norm["hex"]))
-        else:
-            norm_ulps.append(None)
+        norm_ulps.append(None)
         for kind, b_map, o_map in (("grad", bs.grads, os_.grads), ("param", bs.params, os_.params)):
+            if kind == "param" and bs.grad_norm and os_.grad_norm:
+                bh, oh = bs.grad_norm["hex"], os_.grad_norm["hex"]
+                norm_ulps[-1] = ulp_distance(bh, oh) if len(bh) == len(oh) else None
+                if bh != oh and first is None:
+                    ulps = f" ({norm_ulps[-1]} ulp)" if norm_ulps[-1] is not None else ""
+                    first = FirstDivergence(bs.step, "grad_norm", None, "grad norm",
+                                            f"grad norm {bh} vs {oh}{ulps}")
             per_family = dict.fromkeys(FAMILIES, 0)
             for k in keys:
                 if b_map.get(k) != o_map.get(k):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 Verdict = Literal["pass", "fail", "error"]
-DivergenceKind = Literal["loss", "grad", "param"]
+DivergenceKind = Literal["loss", "grad", "grad_norm", "param"]
 
 #: Parameter families used to group mismatches (see `reference_impl.names.family`).
 FAMILIES = ("embedding/head", "attention", "dense mlp", "router", "experts", "shared expert", "norms", "mtp")
@@ -18,7 +18,7 @@ FAMILIES = ("embedding/head", "attention", "dense mlp", "router", "experts", "sh
 class FirstDivergence:
     """The earliest difference from the baseline.
 
-    Ordered by step, then kind (loss < grad < param), then microbatch (losses) or canonical
+    Ordered by step, then kind (loss < grad < grad_norm < param), then microbatch (losses) or canonical
     parameter order (grads/params).  `name` is `lm` / `mtp_1`… for losses and the global parameter
     name otherwise; `detail` is a human sentence with both bit patterns.
     """
@@ -39,6 +39,9 @@ class StepSeries:
     mtp_loss: list[list[float]] = field(default_factory=list)   # [step][depth k-1]
     grad_norm: list[Optional[float]] = field(default_factory=list)  # None when clip_grad == 0
     grad_norm_hex: list[Optional[str]] = field(default_factory=list)
+    grad_norm_ulp: list[Optional[int]] = field(default_factory=list)   # ULP distance from the reference run's
+    clip_coeff: list[Optional[float]] = field(default_factory=list)     # None when clip_grad == 0
+    clipped: list[Optional[bool]] = field(default_factory=list)        # whether clipping triggered (coeff < 1)
 
 
 @dataclass
@@ -64,6 +67,9 @@ class VariantResult:
     elapsed_s: float = 0.0
     run_dir: str = ""                             # relative to the report dir
     command: str = ""                             # command that reproduces this variant alone
+    compare_to: str = ""                          # the reference run it is compared with
+    reductions: str = "megatron"                  # reduction mode (reference_impl/reductions.py)
+    clip_grad: float = 0.0
 
 
 @dataclass

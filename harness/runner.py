@@ -77,8 +77,9 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
                 procs[r].join()
                 code = procs[r].exitcode
                 if code != 0:
-                    error = f"rank {r} exited with code {code}; last lines of rank{r}.log:\n" + \
-                            tail(run_dir / f"rank{r}.log")
+                    log = tail(run_dir / f"rank{r}.log")
+                    last = log.strip().splitlines()[-1] if log.strip() else "(empty log)"
+                    error = f"rank {r} exited with code {code}: {last}\nlast lines of rank{r}.log:\n{log}"
                     break
     finally:
         _stop(procs)

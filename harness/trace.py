@@ -27,6 +27,7 @@ class StepTrace:
     lm_loss: Optional[dict] = None                   # {hex, value}
     grad_norm: Optional[dict] = None
     clip_coeff: Optional[dict] = None
+    clipped: Optional[bool] = None                   # clipping triggered (coeff < 1); None when off
     grads: dict = field(default_factory=dict)        # key -> fingerprint hex
     params: dict = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)
@@ -87,7 +88,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                 getattr(st, part).update(rec[part])
             if "losses" in rec:
                 st.losses, st.lm_loss = rec["losses"], rec["lm_loss"]
-            st.grad_norm, st.clip_coeff = rec["grad_norm"], rec["clip_coeff"]
+            st.grad_norm, st.clip_coeff, st.clipped = rec["grad_norm"], rec["clip_coeff"], rec.get("clipped")
             st.time_s[str(rank)] = rec["time_s"]
     counts = {len(st.time_s) for st in steps.values()}
     if counts and counts != {world_size}:

@@ -63,8 +63,9 @@ def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optio
             "error": outcome.error}
 
 
-def _series(trace: Optional[Trace]) -> StepSeries:
+def _series(trace: Optional[Trace], cmp: Optional[Comparison]) -> StepSeries:
     s = StepSeries()
+    s.grad_norm_ulp = list(cmp.grad_norm_ulps) if cmp else []
     for st in trace.steps if trace else []:
         s.lm_loss.append(st.lm_loss["value"] if st.lm_loss else float("nan"))
         s.lm_loss_hex.append(st.lm_loss["hex"] if st.lm_loss else "")
@@ -72,6 +73,8 @@ def _series(trace: Optional[Trace]) -> StepSeries:
         s.mtp_loss.append([sum(l["mtp"][k]["value"] for l in st.losses) / len(st.losses) for k in range(depths)])
         s.grad_norm.append(st.grad_norm["value"] if st.grad_norm else None)
         s.grad_norm_hex.append(st.grad_norm["hex"] if st.grad_norm else None)
+        s.clip_coeff.append(st.clip_coeff["value"] if st.clip_coeff else None)
+        s.clipped.append(st.clipped)
     return s
 
 
@@ -81,11 +84,12 @@ def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str]) -> t
         return "error", error.splitlines()[0]
     fd, exp = cmp.first_divergence, run.spec
     where = f"first divergence: step {fd.step} {fd.kind} {fd.name}" if fd else ""
+    ref = exp.compare_to or "the baseline"
     if exp.expect == "bitwise":
-        return ("pass", "bitwise equal to the baseline") if cmp.bitwise_equal else \
+        return ("pass", f"bitwise equal to {ref}") if cmp.bitwise_equal else \
             ("fail", f"expected bitwise equality; {where}")
     if cmp.bitwise_equal:
-        return "fail", "expected a divergence but the run is bitwise equal to the baseline"
+        return "fail", f"expected a divergence but the run is bitwise equal to {ref}"
     want = exp.first_divergence
     if want:
         mismatch = [f"{k} {getattr(fd, k)!r} (expected {getattr(want, k)!r})" for k in ("step", "kind", "name",
@@ -125,22 +129,24 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
         progress(f"      {'ran' if outcome.ok else 'ERROR'} in {outcome.elapsed_s:.1f} s"
                  + ("" if outcome.ok else f": {outcome.error.splitlines()[0]}"))
     base_name = plan.runs[0].spec.name
-    base = traces[base_name]
     variants = []
     for run in plan.runs:
         name, trace, outcome = run.spec.name, traces[run.spec.name], outcomes[run.spec.name]
+        ref_name = run.spec.compare_to or base_name
+        ref = traces[ref_name]
         error = outcome.error if not outcome.ok else (
-            None if base is not None else f"baseline {base_name!r} did not run, nothing to compare with")
-        cmp = compare(base, trace) if error is None else None
+            None if ref is not None else f"reference run {ref_name!r} did not run, nothing to compare with")
+        cmp = compare(ref, trace) if error is None else None
         verdict, reason = judge(run, cmp, error)
         variants.append(VariantResult(
             name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
             expect=run.spec.expect, verdict=verdict, bitwise_equal=cmp.bitwise_equal if cmp else None,
             first_divergence=cmp.first_divergence if cmp else None, reason=reason, error=error,
-            layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=_series(trace),
+            layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=_series(trace, cmp),
             family_mismatches=cmp.family_mismatches if cmp else {}, elapsed_s=outcome.elapsed_s,
-            run_dir=str(dirs[name]), command=f"bitparity verify {plan.path} --only {name}"))
+            run_dir=str(dirs[name]), command=f"bitparity verify {plan.path} --only {name}", compare_to=ref_name,
+            reductions=run.config.training.reductions, clip_grad=run.config.training.clip_grad))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads
     env["device"] = "cpu"

@@ -11,7 +11,8 @@ one JSON object per line, each with ``"type"``:
   and replica sync, before clipping; params after the optimizer step; buffers such as the expert bias after
   their update); on the loss rank ``losses``: per microbatch {microbatch, lm, mtp: [..], num_tokens} where
   each loss is {hex, value}, and ``lm_loss`` (reported); on every rank ``grad_norm`` and ``clip_coeff``
-  (null when clipping is off); ``time_s``;
+  (null when clipping is off; fp32 in megatron mode, fp64 in canonical mode) and ``clipped`` (coeff < 1);
+  ``time_s``;
 * ``end``: written after the last step.
 """
 from __future__ import annotations

@@ -140,6 +140,8 @@ class TrainingConfig(_Strict):
     weight_decay: float = Field(0.1, ge=0)   # on matrices only
     clip_grad: float = Field(0.0, ge=0)      # 0 = off
     num_threads: int = Field(1, ge=1)        # torch.set_num_threads in every rank
+    # megatron: Megatron's layout-dependent reductions; canonical: layout-invariant (reference_impl/reductions.py)
+    reductions: Literal["megatron", "canonical"] = "megatron"
     data: DataConfig = DataConfig()
 
 

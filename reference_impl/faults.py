@@ -58,7 +58,7 @@ def after_grads(name, step, params, num_layers):
     if name != "grad_bit_flip" or step != 0:
         return
     target = f"decoder.layers.{num_layers - 1}.self_attention.linear_q_down_proj.weight"
-    for key, _, _, p in params:
+    for key, _, _, p, _ in params:
         if key == target:
             flat = p.main_grad.view(-1).view(torch.int32)
             flat[0] ^= 1

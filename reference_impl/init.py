@@ -23,10 +23,15 @@ def name_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Initialise every parameter of `module` in place, by its (global) name; norms are left at ones."""
+def init_parameters(module, cfg: ModelConfig, seed: int) -> None:
+    """Initialise parameters in place by global name; norms are set to ones.
+
+    `module`: an ``nn.Module`` whose ``named_parameters()`` are global names, or an iterable of
+    (global name, parameter) pairs (replicas pass their logical name, so they start identical).
+    """
     scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-    for name, param in module.named_parameters():
+    named = module.named_parameters() if isinstance(module, nn.Module) else module
+    for name, param in named:
         if param.ndim < 2:
             param.fill_(1.0)
             continue

@@ -47,7 +47,8 @@ class StageChunk(nn.Module):
     None on the first stage.  Returns the activation to send, or a `LossOutput` on the loss stage.
     """
 
-    def __init__(self, cfg: ModelConfig, layout: PipelineLayout, flat: int, num_microbatches: int):
+    def __init__(self, cfg: ModelConfig, layout: PipelineLayout, flat: int, num_microbatches: int,
+                 separate_mtp_embedding: bool = False):
         super().__init__()
         self.cfg, self.flat, self.num_microbatches = cfg, flat, num_microbatches
         symbols = layout.stages[flat]
@@ -65,14 +66,28 @@ class StageChunk(nn.Module):
             self.embedding = _Embedding(cfg)
         if self.has_mtp:
             self.mtp = MTPBlock(cfg, moe=bool(moe[-1]))
+            # Canonical reductions on a chunk holding both embedding uses: the MTP lookup gets its own
+            # replica so its gradient accumulates apart from the input lookup's, as on any P>1 layout.
+            if separate_mtp_embedding and self.has_embedding_input:
+                self.mtp_embedding = _Embedding(cfg)
         if self.has_loss:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope: dict = {}
 
-    @property
-    def embedding_replica(self) -> Optional[str]:
-        """Replica tag of this chunk's word embedding: "mtp" on an MTP stage that is not the first stage."""
-        return "mtp" if self.has_mtp and not self.has_embedding_input else None
+    def global_parameters(self):
+        """Yield (global name, replica tag or None, parameter) in module order.
+
+        The MTP stage's word embedding (``embedding`` on a non-first MTP stage, ``mtp_embedding`` when a
+        separate replica is kept on the first stage) is the logical ``embedding.word_embeddings.weight`` with
+        replica tag ``"mtp"``.
+        """
+        for name, p in self.named_parameters():
+            if name.startswith("mtp_embedding."):
+                yield "embedding." + name[len("mtp_embedding."):], "mtp", p
+            elif name.startswith("embedding.") and self.has_mtp and not self.has_embedding_input:
+                yield name, "mtp", p
+            else:
+                yield name, None, p
 
     def rope(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (s, str(device))
@@ -90,7 +105,8 @@ class StageChunk(nn.Module):
         if self.has_final_norm:
             h, computed = self.decoder.final_layernorm(h), True
         if self.has_mtp:
-            h, computed = self.mtp(h, mb.tokens, self.embedding, cos, sin), True
+            embed = self.mtp_embedding if hasattr(self, "mtp_embedding") else self.embedding
+            h, computed = self.mtp(h, mb.tokens, embed, cos, sin), True
         if self.has_loss:
             return lm_and_mtp_loss(self.output_layer, h, mb.labels, mb.loss_mask, self.cfg.mtp_num_layers,
                                    self.cfg.mtp_loss_scaling_factor, self.num_microbatches)
