@@ -1,6 +1,7 @@
 """Case files: YAML -> validated plan (one `RunConfig` per variant), or one `UsageError` line.
 
-Schema (unknown keys and wrong types are errors naming the key)::
+Schema (unknown keys and wrong types are errors naming the key; top-level keys starting with ``x-`` are
+ignored, so they can hold YAML anchors that variants merge with ``<<: *anchor``)::
 
     name: dsv3                       # optional, defaults to the file stem
     description: ...
@@ -45,7 +46,7 @@ class _Strict(BaseModel):
 
 
 class ExpectedDivergence(_Strict):
-    step: int = Field(ge=0)
+    step: Optional[int] = Field(None, ge=0)     # None: any step
     kind: Literal["loss", "grad", "grad_norm", "param"]
     name: Optional[str] = None
     microbatch: Optional[int] = None
@@ -114,6 +115,8 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
         raise UsageError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(raw, dict):
         raise UsageError(f"{path}: a case file must be a YAML mapping")
+    # Top-level keys starting with "x-" only hold YAML anchors (as in docker-compose files).
+    raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("x-"))}
     try:
         spec = CaseSpec.model_validate(raw)
     except ValidationError as e:
