@@ -61,7 +61,7 @@ def _layout_explain(args) -> int:
 
 def _schedule_explain(args) -> int:
     from reference_impl.layout import PipelineLayout
-    from reference_impl.schedule import ScheduleError, build_schedule, grid, simulate
+    from reference_impl.schedule import ScheduleError, build_schedule, grid, simulate, timeline
     if min(args.pp, args.vpp, args.microbatches) < 1:
         raise UsageError("--pp, --vpp and --microbatches must be >= 1")
     stages = args.pp * args.vpp
@@ -70,11 +70,12 @@ def _schedule_explain(args) -> int:
     try:
         lists = build_schedule(layout, args.microbatches, 1, 1, 1)
         rounds = simulate(lists)
+        _, bubble = timeline(lists)
     except ScheduleError as e:
         raise UsageError(str(e)) from None
     kind = "no pipelining" if args.pp == 1 else ("1F1B" if args.vpp == 1 else "interleaved 1F1B")
     print(f"{kind}: P={args.pp} V={args.vpp} M={args.microbatches}  (F<stage>.<microbatch>; dry run: "
-          f"{rounds} rounds, no deadlock)")
+          f"{rounds} rounds, no deadlock; bubble fraction {bubble:.3f} with forward 1 / backward 2)")
     print(grid(lists, compute_only=not args.all))
     return 0
 

@@ -70,6 +70,10 @@ class VariantResult:
     compare_to: str = ""                          # the reference run it is compared with
     reductions: str = "megatron"                  # reduction mode (reference_impl/reductions.py)
     clip_grad: float = 0.0
+    # schedule timeline with unit costs (forward 1, backward 2): one dict per compute action
+    # {rank, start, end, op: "F"|"B", stage, microbatch}; and the idle fraction of rank-time
+    timeline: list = field(default_factory=list)
+    bubble_fraction: Optional[float] = None
 
 
 @dataclass

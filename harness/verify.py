@@ -18,7 +18,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional
 
-from reference_impl.schedule import build_schedule, serialise
+from dataclasses import asdict
+
+from reference_impl.schedule import build_schedule, serialise, timeline
 
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare
@@ -131,6 +133,9 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     base_name = plan.runs[0].spec.name
     variants = []
     for run in plan.runs:
+        t = run.config.training
+        cells, bubble = timeline(build_schedule(run.layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
+                                                run.config.model.hidden_size))
         name, trace, outcome = run.spec.name, traces[run.spec.name], outcomes[run.spec.name]
         ref_name = run.spec.compare_to or base_name
         ref = traces[ref_name]
@@ -146,7 +151,8 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
             layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=_series(trace, cmp),
             family_mismatches=cmp.family_mismatches if cmp else {}, elapsed_s=outcome.elapsed_s,
             run_dir=str(dirs[name]), command=f"bitparity verify {plan.path} --only {name}", compare_to=ref_name,
-            reductions=run.config.training.reductions, clip_grad=run.config.training.clip_grad))
+            reductions=t.reductions, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
+            bubble_fraction=bubble))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads
     env["device"] = "cpu"

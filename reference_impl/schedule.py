@@ -178,6 +178,52 @@ def simulate(lists: list[list[Action]]) -> int:
     return rounds
 
 
+@dataclass(frozen=True)
+class Cell:
+    """One compute action placed on a timeline (unit costs: forward 1, backward 2)."""
+
+    rank: int
+    start: float
+    end: float
+    op: str
+    stage: int
+    microbatch: int
+
+
+def timeline(lists: list[list[Action]], forward_cost: float = 1.0,
+             backward_cost: float = 2.0) -> tuple[list[Cell], float]:
+    """Play the lists with unit compute costs and free communication; return (cells, bubble fraction).
+
+    A receive waits until its message was sent; a send is ready when the compute before it ends.  Bubble
+    fraction = idle rank-time / (ranks x makespan).  Raises `ScheduleError` on a deadlock (as `simulate`).
+    """
+    simulate(lists)
+    clock = [0.0] * len(lists)
+    pc = [0] * len(lists)
+    ready: dict = {}
+    cells: list[Cell] = []
+    while any(pc[r] < len(lists[r]) for r in range(len(lists))):
+        for r, actions in enumerate(lists):
+            while pc[r] < len(actions):
+                a = actions[pc[r]]
+                if a.op.startswith("SEND"):
+                    ready[_message(a, r)] = clock[r]
+                elif a.op.startswith("RECV"):
+                    key = _message(a, r)
+                    if key not in ready:
+                        break
+                    clock[r] = max(clock[r], ready.pop(key))
+                else:
+                    cost = forward_cost if a.op == "F" else backward_cost
+                    cells.append(Cell(r, clock[r], clock[r] + cost, a.op, a.stage, a.microbatch))
+                    clock[r] += cost
+                pc[r] += 1
+    makespan = max(clock) if clock else 0.0
+    busy = sum(c.end - c.start for c in cells)
+    bubble = 1.0 - busy / (len(lists) * makespan) if makespan else 0.0
+    return cells, bubble
+
+
 def grid(lists: list[list[Action]], compute_only: bool = True) -> str:
     """Rank x time grid of the compute actions (``F3.0`` = forward of stage 3, microbatch 0), one row per rank.
 

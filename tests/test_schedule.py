@@ -107,3 +107,17 @@ def test_simulator_rejects_out_of_order_microbatches():
 def test_interleaved_needs_divisible_microbatches():
     with pytest.raises(ScheduleError, match="divisible"):
         build_schedule(_layout("Et|tt|t|mL", 2, 4, 1), 3, 4, 1, 8)
+
+
+def test_timeline_bubble_fraction_matches_1f1b_formula():
+    """1F1B with forward 1 / backward 2: bubble = (P-1)(1+2) / (M(1+2) + (P-1)(1+2)) = (P-1)/(M+P-1)."""
+    from reference_impl.schedule import timeline
+    for pp, m in ((2, 4), (4, 8), (4, 4)):
+        text = "|".join(["Et"] + ["t"] * (pp - 2) + ["tL"])
+        cells, bubble = timeline(build_schedule(_layout(text, pp, pp, 0), m, 1, 1, 1))
+        assert bubble == pytest.approx((pp - 1) / (m + pp - 1))
+        assert len(cells) == 2 * pp * m
+    # interleaving shrinks the bubble (Narayanan et al. 2021): V=2 < V=1 for the same P, M
+    _, b1 = timeline(build_schedule(_layout("Et|t|t|tL", 4, 4, 0), 8, 1, 1, 1))
+    _, b2 = timeline(build_schedule(_layout("Et|t|t|t|t|t|t|tL", 4, 8, 0), 8, 1, 1, 1))
+    assert b2 < b1
