@@ -90,10 +90,36 @@ def divergence_words(fd: Optional[FirstDivergence]) -> str:
     return " · ".join(parts)
 
 
+def reference_of(v: VariantResult, baseline: str) -> str:
+    """Name of the run `v` is compared with (`compare_to`, the case baseline when unset)."""
+    return str(v.compare_to) if v.compare_to else str(baseline)
+
+
+def clip_words(clip_grad: Any) -> str:
+    """``"off"`` when gradient clipping is disabled (0, None, not a number), else the threshold (``0.05``)."""
+    c = _finite_or_none(clip_grad)
+    return "off" if c is None or c <= 0 else f"{c:g}"
+
+
+def clipping_on(v: VariantResult) -> bool:
+    return clip_words(v.clip_grad) != "off"
+
+
+def format_fraction(x: Any) -> str:
+    """A fraction in [0, 1] as a percentage with one decimal: ``0.1579`` -> ``15.8 %``; ``—`` when unknown."""
+    f = _finite_or_none(x)
+    return "—" if f is None else f"{100.0 * f:.1f} %"
+
+
+def _ref_words(v: VariantResult, baseline: str) -> str:
+    ref = reference_of(v, baseline)
+    return f"baseline {ref!r}" if ref == baseline else f"reference run {ref!r}"
+
+
 def _expectation_words(v: VariantResult, baseline: str) -> str:
     if v.expect == "bitwise":
-        return f"expected bitwise equality with baseline {baseline!r}"
-    return f"expected to diverge from baseline {baseline!r}"
+        return f"expected bitwise equality with {_ref_words(v, baseline)}"
+    return f"expected to diverge from {_ref_words(v, baseline)}"
 
 
 def _variant_failure_text(v: VariantResult, baseline: str) -> str:
@@ -106,9 +132,11 @@ def _variant_failure_text(v: VariantResult, baseline: str) -> str:
         if v.first_divergence.detail:
             lines.append(f"  {v.first_divergence.detail}")
     elif v.bitwise_equal:
-        lines.append("no divergence: the run is bitwise equal to the baseline")
+        lines.append(f"no divergence: the run is bitwise equal to {_ref_words(v, baseline)}")
     lines.append(_expectation_words(v, baseline))
     lines.append(f"layout: {v.layout} (pp={v.pp}, vpp={v.vpp}, mtp_standalone={v.mtp_standalone})")
+    lines.append(f"reductions: {v.reductions} · clip_grad: {clip_words(v.clip_grad)} · "
+                 f"compared with: {reference_of(v, baseline)}")
     if v.run_dir:
         lines.append(f"run dir: {v.run_dir}")
     if v.command:
@@ -142,12 +170,18 @@ def summary_dict(result: CaseResult) -> dict:
          "variants": [{"name": str, "layout": str, "pp": int, "vpp": int, "mtp_standalone": bool,
                        "expect": "bitwise"|"diverge", "verdict": "pass"|"fail"|"error",
                        "bitwise_equal": bool|None,
-                       "first_divergence": None | {"step": int, "kind": "loss"|"grad"|"param",
+                       "first_divergence": None | {"step": int,
+                                                   "kind": "loss"|"grad"|"grad_norm"|"param",
                                                    "microbatch": int|None, "name": str},
-                       "reason": str, "elapsed_s": float}],
+                       "reason": str, "elapsed_s": float,
+                       "compare_to": str, "reductions": "megatron"|"canonical",
+                       "clip_grad": float, "bubble_fraction": float|None}],
          "environment": {...}}
 
-    Variants keep the order of `result.variants` (baseline first).
+    Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the
+    variant is compared with (the baseline unless the case names another); ``clip_grad`` is 0.0 when
+    clipping is off; ``bubble_fraction`` is the idle share of rank-time of the schedule played with
+    unit costs (None when unknown).
     """
     variants = []
     for v in result.variants:
@@ -169,6 +203,10 @@ def summary_dict(result: CaseResult) -> dict:
             },
             "reason": str(v.reason or ""),
             "elapsed_s": _finite_or_none(v.elapsed_s) or 0.0,
+            "compare_to": reference_of(v, result.baseline),
+            "reductions": str(v.reductions),
+            "clip_grad": _finite_or_none(v.clip_grad) or 0.0,
+            "bubble_fraction": _finite_or_none(v.bubble_fraction),
         })
     return {
         "case": str(result.case),
@@ -251,8 +289,9 @@ def _md_cell(s: Any) -> str:
 def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str:
     """A short Markdown verdict table for a CI job page, with a link to the HTML report.
 
-    Columns: variant, layout, P, V, expect, verdict, first divergence.  Cell text is escaped so that
-    variant names containing markup or ``|`` neither render as HTML nor break the table.
+    Columns: variant, layout, P, V, reductions, clip, expect, verdict, first divergence.  Cell text is
+    escaped so that variant names containing markup or ``|`` neither render as HTML nor break the
+    table.
     """
     n = len(result.variants)
     counts = {k: sum(v.verdict == k for v in result.variants) for k in ("pass", "fail", "error")}
@@ -266,8 +305,8 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         + f" · baseline `{_clean_text(result.baseline).replace('`', '')}`"
         + f" · {format_elapsed(result.elapsed_s)}",
         "",
-        "| variant | layout | P | V | expect | verdict | first divergence |",
-        "|---|---|--:|--:|---|---|---|",
+        "| variant | layout | P | V | reductions | clip | expect | verdict | first divergence |",
+        "|---|---|--:|--:|---|--:|---|---|---|",
     ]
     for v in result.variants:
         name = _md_cell(v.name) + (" (baseline)" if v.name == result.baseline else "")
@@ -277,6 +316,7 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         else:
             fd = _md_cell(fd)
         lines.append(f"| {name} | {_md_cell(v.layout)} | {int(v.pp)} | {int(v.vpp)} | "
+                     f"{_md_cell(v.reductions)} | {_md_cell(clip_words(v.clip_grad))} | "
                      f"{_md_cell(v.expect)} | {_VERDICT_MD.get(v.verdict, _md_cell(v.verdict))} | {fd} |")
     lines += ["", f"[Full report]({report_link.replace(' ', '%20').replace(')', '%29')})", ""]
     return "\n".join(lines)
