@@ -6,6 +6,7 @@ ignored, so they can hold YAML anchors that variants merge with ``<<: *anchor``)
     name: dsv3                       # optional, defaults to the file stem
     description: ...
     timeout_s: 600                   # per run watchdog
+    device: cpu                      # or cuda (params_dtype then defaults to bfloat16); num_gpus: N
     model: {ModelConfig fields}      # reference_impl.config
     training: {TrainingConfig fields}
     baseline: {name, pipeline_model_parallel_layout, pipeline_model_parallel_size, options}
@@ -67,6 +68,9 @@ class CaseSpec(_Strict):
     name: Optional[str] = None
     description: str = ""
     timeout_s: float = Field(600.0, gt=0)
+    device: Literal["cpu", "cuda"] = "cpu"
+    params_dtype: Optional[Literal["float32", "bfloat16"]] = None   # default: float32 on cpu, bfloat16 on cuda
+    num_gpus: Optional[int] = Field(None, ge=1)                      # cuda: GPUs to spread ranks over
     model: ModelConfig
     training: TrainingConfig = TrainingConfig()
     baseline: VariantSpec
@@ -97,7 +101,8 @@ def _loc(err: ValidationError) -> str:
     return f"{where}: {first['msg']}"
 
 
-def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Optional[str] = None) -> CasePlan:
+def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Optional[str] = None,
+              overrides: Optional[dict] = None) -> CasePlan:
     """Read, validate and plan a case file.  `only` keeps the named variants (the baseline always runs).
 
     Raises:
@@ -117,6 +122,7 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
         raise UsageError(f"{path}: a case file must be a YAML mapping")
     # Top-level keys starting with "x-" only hold YAML anchors (as in docker-compose files).
     raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("x-"))}
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         spec = CaseSpec.model_validate(raw)
     except ValidationError as e:
@@ -183,7 +189,9 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         faults.check(fault)
     except faults.FaultError as e:
         raise UsageError(f"{where}: {e}") from None
-    config = RunConfig(model=spec.model, training=training, inject=fault,
+    config = RunConfig(model=spec.model, training=training, inject=fault, device=spec.device,
+                       params_dtype=spec.params_dtype or ("bfloat16" if spec.device == "cuda" else "float32"),
+                       num_gpus=spec.num_gpus,
                        parallel=ParallelConfig(pipeline_model_parallel_layout=v.pipeline_model_parallel_layout,
                                                pipeline_model_parallel_size=v.pipeline_model_parallel_size))
     return PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)

@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--out", default="reports", help="report root (default: reports/); the report goes to OUT/<case>/")
     v.add_argument("--only", action="append", metavar="VARIANT", help="run only this variant (repeatable)")
     v.add_argument("--timeout", type=float, help="per-run watchdog in seconds (default: the case's timeout_s)")
+    v.add_argument("--device", choices=("cpu", "cuda"), help="override the case's device")
+    v.add_argument("--num-gpus", type=int, help="cuda: spread ranks over this many GPUs (fewer than ranks: "
+                                                   "ranks share GPUs, staged through host memory)")
     v.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)   # test-only planted faults
     lay = sub.add_parser("layout", help="layout tools").add_subparsers(dest="action", required=True,
                                                                           parser_class=_Parser)
@@ -83,7 +86,8 @@ def _schedule_explain(args) -> int:
 def _verify(args, argv) -> int:
     from .cases import load_case
     from .verify import verify
-    plan = load_case(args.case, only=args.only, inject=args.inject)
+    plan = load_case(args.case, only=args.only, inject=args.inject,
+                     overrides={"device": args.device, "num_gpus": args.num_gpus})
     if args.timeout is not None and args.timeout <= 0:
         raise UsageError("--timeout must be > 0")
     result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout)

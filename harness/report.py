@@ -20,6 +20,7 @@ import pathlib
 import re
 import uuid
 import xml.etree.ElementTree as ET
+from html import escape as html_escape
 from typing import Any, Optional
 
 import jinja2
@@ -27,7 +28,7 @@ from markupsafe import Markup
 
 from harness.results import FAMILIES, CaseResult, FirstDivergence, VariantResult
 
-__all__ = ["write_report", "summary_dict", "junit_xml", "markdown_summary", "render_html"]
+__all__ = ["write_report", "summary_dict", "junit_xml", "markdown_summary", "render_html", "timeline_svg"]
 
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
 TEMPLATE_NAME = "report.html.j2"
@@ -391,27 +392,274 @@ def loss_curves_svg(result: CaseResult) -> Optional[str]:
     return svg.strip()
 
 
+def _at(seq: Any, i: int) -> Any:
+    """``seq[i]`` or None when `seq` is missing or too short."""
+    try:
+        return seq[i] if seq is not None and 0 <= i < len(seq) else None
+    except TypeError:
+        return None
+
+
+def _reference(result: CaseResult, v: VariantResult) -> Optional[VariantResult]:
+    """The variant `v` is compared with (its `compare_to`, else the baseline); None if not in the result."""
+    ref = reference_of(v, result.baseline)
+    return next((r for r in result.variants if r.name == ref), None)
+
+
 def _hex_table(result: CaseResult) -> dict:
-    """Per-step lm-loss bit patterns: ``{"variants": [...], "rows": [{"step", "cells": [...]}]}``."""
+    """Per-step lm-loss bit patterns: ``{"variants": [...], "rows": [{"step", "cells": [...]}]}``.
+
+    A cell ``differs`` when its bits differ from those of the run the variant is compared with
+    (`compare_to`, the baseline by default) at that step.
+    """
     variants = [v for v in result.variants if v.series and v.series.lm_loss_hex]
-    base = next((v for v in result.variants if v.name == result.baseline), None)
-    base_hex = list(base.series.lm_loss_hex) if base is not None and base.series else []
     n_steps = max((len(v.series.lm_loss_hex) for v in variants), default=0)
+    refs = [_reference(result, v) for v in variants]
     rows = []
     for step in range(n_steps):
         cells = []
-        for v in variants:
-            hx = v.series.lm_loss_hex[step] if step < len(v.series.lm_loss_hex) else None
-            val = v.series.lm_loss[step] if step < len(v.series.lm_loss) else None
-            ref = base_hex[step] if step < len(base_hex) else None
-            is_base = base is not None and v is base
+        for v, ref_v in zip(variants, refs):
+            hx = _at(v.series.lm_loss_hex, step) or None
+            val = _finite_or_none(_at(v.series.lm_loss, step))
+            is_ref = ref_v is None or ref_v is v
+            ref = None if is_ref or not ref_v.series else _at(ref_v.series.lm_loss_hex, step)
             cells.append({
                 "hex": hx,
-                "value": "" if val is None else repr(float(val)),
-                "differs": (hx is not None and not is_base and (ref is None or hx.lower() != ref.lower())),
+                "value": "" if val is None else repr(val),
+                "differs": (hx is not None and not is_ref and (not ref or hx.lower() != str(ref).lower())),
             })
         rows.append({"step": step, "cells": cells})
     return {"variants": variants, "rows": rows}
+
+
+def _grad_norm_section(result: CaseResult) -> dict:
+    """Data of the "Grad norm & clipping" section.
+
+    ``{"on": [{"v", "ref", "ref_is_baseline", "precision", "rows": [...]}], "off": [VariantResult]}``;
+    one row per step: ``{"step", "hex", "value", "ulp", "ref_hex", "coeff", "clipped"}`` where `ulp` is the
+    ULP distance from the reference run's grad norm (None when not comparable).
+    """
+    on, off = [], []
+    for i, v in enumerate(result.variants):
+        if not clipping_on(v):
+            off.append({"v": v, "anchor": f"variant-{i}"})
+            continue
+        s = v.series or None
+        ref_v = _reference(result, v)
+        ref_s = ref_v.series if ref_v is not None and ref_v is not v else None
+        n = max((len(getattr(s, k) or []) for k in ("grad_norm_hex", "grad_norm", "clip_coeff", "clipped")),
+                default=0) if s is not None else 0
+        rows = []
+        for step in range(n):
+            ulp = _at(s.grad_norm_ulp, step)
+            coeff = _finite_or_none(_at(s.clip_coeff, step))
+            value = _finite_or_none(_at(s.grad_norm, step))
+            clipped = _at(s.clipped, step)
+            rows.append({
+                "step": step,
+                "hex": _at(s.grad_norm_hex, step) or None,
+                "value": None if value is None else repr(value),
+                "ulp": None if ulp is None else int(ulp),
+                "ref_hex": (_at(ref_s.grad_norm_hex, step) or None) if ref_s is not None else None,
+                "coeff": None if coeff is None else repr(coeff),
+                "clipped": None if clipped is None else bool(clipped),
+            })
+        widths = {len(r["hex"]) for r in rows if r["hex"]}
+        precision = {10: "fp32", 18: "fp64"}.get(widths.pop()) if len(widths) == 1 else None
+        ref = reference_of(v, result.baseline)
+        on.append({"v": v, "anchor": f"variant-{i}", "ref": ref, "ref_is_baseline": ref == result.baseline,
+                   "ref_anchor": next((f"variant-{j}" for j, r in enumerate(result.variants) if r.name == ref),
+                                      None),
+                   "precision": precision, "rows": rows,
+                   "ulp_nonzero": sum(1 for r in rows if r["ulp"])})
+    return {"on": on, "off": off}
+
+
+# --------------------------------------------------------------------------------------------------
+# schedule timeline (inline SVG, built here: deterministic, no JavaScript, no external resources)
+# --------------------------------------------------------------------------------------------------
+
+#: (fill, text colour) per virtual chunk, cycling; forward in blues, backward in oranges.  Adjacent chunks
+#: alternate dark and light so neighbouring chunks stay distinguishable.
+TIMELINE_FORWARD = (("#0969da", "#ffffff"), ("#80ccff", "#1f2328"), ("#0550ae", "#ffffff"),
+                    ("#b6e3ff", "#1f2328"))
+TIMELINE_BACKWARD = (("#bc4c00", "#ffffff"), ("#ffb77c", "#1f2328"), ("#762c00", "#ffffff"),
+                     ("#ffd8b5", "#1f2328"))
+TIMELINE_OTHER = ("#8c959f", "#ffffff")
+TIMELINE_IDLE = "#f6f8fa"
+TIMELINE_MAX_WIDTH = 1100
+
+_TL_LABEL_W = 58      # rank labels
+_TL_PAD_R = 12
+_TL_AXIS_H = 20       # time axis above the rows
+_TL_ROW_H = 18
+_TL_ROW_GAP = 3
+_TL_MAX_UNIT = 32     # px per time unit for short schedules
+_TL_FONT = "system-ui, -apple-system, Segoe UI, Roboto, Helvetica, Arial, sans-serif"
+
+
+def _num(x: float) -> str:
+    """Deterministic short SVG number: at most two decimals, no trailing zeros."""
+    s = f"{x:.2f}".rstrip("0").rstrip(".")
+    return "0" if s in ("-0", "") else s
+
+
+def _attr(s: Any) -> str:
+    return html_escape(_clean_text(s), quote=True)
+
+
+def _timeline_cells(v: VariantResult) -> list[dict]:
+    """The valid cells of `v.timeline`, normalised and sorted (rank, start, end, op, stage, microbatch)."""
+    cells = []
+    for c in v.timeline or []:
+        if not isinstance(c, dict):
+            continue
+        try:
+            rank, stage, mb = int(c.get("rank")), int(c.get("stage", 0)), int(c.get("microbatch", 0))
+        except (TypeError, ValueError):
+            continue
+        start, end = _finite_or_none(c.get("start")), _finite_or_none(c.get("end"))
+        if rank < 0 or start is None or end is None or end <= start or start < 0:
+            continue
+        cells.append({"rank": rank, "start": start, "end": end, "op": str(c.get("op", "")),
+                      "stage": stage, "microbatch": mb})
+    cells.sort(key=lambda c: (c["rank"], c["start"], c["end"], c["op"], c["stage"], c["microbatch"]))
+    return cells
+
+
+def _cell_colours(op: str, chunk: int) -> tuple[str, str]:
+    palette = {"F": TIMELINE_FORWARD, "B": TIMELINE_BACKWARD}.get(op)
+    return TIMELINE_OTHER if palette is None else palette[chunk % len(palette)]
+
+
+def _tick_step(unit_px: float) -> int:
+    for step in (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000):
+        if step * unit_px >= 30:
+            return step
+    return 10000
+
+
+def timeline_svg(v: VariantResult) -> Optional[str]:
+    """Inline SVG of the schedule timeline of `v` (None when it has no valid cells).
+
+    Ranks are rows (rank 0 at the top), x is time in units (forward 1, backward 2), one
+    ``<rect class="cell ...">`` per compute action: forward in blue, backward in orange, the shade cycling
+    with the virtual chunk (``stage // pp``); the microbatch is written inside a cell when it fits and every
+    cell has a ``<title>`` tooltip.  Idle time shows the light lane background.  A legend sits below.
+    The output depends only on the cells (sorted), so it is deterministic; width <= TIMELINE_MAX_WIDTH.
+    """
+    cells = _timeline_cells(v)
+    if not cells:
+        return None
+    try:
+        pp = max(1, int(v.pp))
+    except (TypeError, ValueError):
+        pp = 1
+    n_ranks = max(pp, max(c["rank"] for c in cells) + 1)
+    makespan = max(c["end"] for c in cells)
+    avail = TIMELINE_MAX_WIDTH - _TL_LABEL_W - _TL_PAD_R
+    unit = min(float(_TL_MAX_UNIT), avail / makespan)
+    plot_w = makespan * unit
+    x0 = _TL_LABEL_W
+    rows_h = n_ranks * (_TL_ROW_H + _TL_ROW_GAP) - _TL_ROW_GAP
+
+    # Legend items: (fill, stroke, label); forward/backward per chunk present, then idle.
+    chunks = sorted({c["stage"] // pp for c in cells})
+    ops = [op for op in ("F", "B") if any(c["op"] == op for c in cells)]
+    legend = []
+    for op in ops:
+        word = "forward" if op == "F" else "backward"
+        for ch in chunks:
+            if any(c["op"] == op and c["stage"] // pp == ch for c in cells):
+                label = f"{word} (1 unit)" if op == "F" else f"{word} (2 units)"
+                if len(chunks) > 1:
+                    label = f"{word} · chunk {ch}"
+                legend.append((_cell_colours(op, ch)[0], None, label))
+    if any(c["op"] not in ("F", "B") for c in cells):
+        legend.append((TIMELINE_OTHER[0], None, "other"))
+    legend.append((TIMELINE_IDLE, "#d0d7de", "idle (bubble)"))
+    legend_note = "number in a cell = microbatch"
+
+    # Lay the legend out in lines that fit the width.
+    width = max(x0 + plot_w + _TL_PAD_R, 360.0)
+    item_w = [12 + 6 + 6.2 * len(label) + 16 for _, _, label in legend] + [6.2 * len(legend_note)]
+    lines, cur, cur_w = [], [], 0.0
+    for i, w in enumerate(item_w):
+        if cur and x0 + cur_w + w > width - _TL_PAD_R:
+            lines.append(cur)
+            cur, cur_w = [], 0.0
+        cur.append((i, cur_w))
+        cur_w += w
+    lines.append(cur)
+    legend_y0 = _TL_AXIS_H + rows_h + 12
+    height = legend_y0 + 18 * len(lines)
+
+    out = []
+    label = f"schedule timeline of {_clean_text(v.name)}: {n_ranks} ranks, {_num(makespan)} time units"
+    out.append(f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline-svg" width="{_num(width)}" '
+               f'height="{_num(height)}" viewBox="0 0 {_num(width)} {_num(height)}" role="img" '
+               f'aria-label="{_attr(label)}" font-family="{_TL_FONT}" font-size="11">')
+    # time axis: ticks and light vertical guides
+    step = _tick_step(unit)
+    t = 0
+    while t <= makespan + 1e-9:
+        x = x0 + t * unit
+        out.append(f'<line class="tick" x1="{_num(x)}" y1="{_TL_AXIS_H - 4}" x2="{_num(x)}" '
+                   f'y2="{_num(_TL_AXIS_H + rows_h)}" stroke="#d0d7de" stroke-width="0.5"/>')
+        out.append(f'<text x="{_num(x)}" y="{_TL_AXIS_H - 7}" text-anchor="middle" fill="#656d76" '
+                   f'font-size="10">{t}</text>')
+        t += step
+    # lanes (light background where a rank idles) and rank labels
+    for r in range(n_ranks):
+        y = _TL_AXIS_H + r * (_TL_ROW_H + _TL_ROW_GAP)
+        out.append(f'<text x="{x0 - 6}" y="{_num(y + _TL_ROW_H / 2 + 4)}" text-anchor="end" '
+                   f'fill="#1f2328">rank {r}</text>')
+        out.append(f'<rect class="lane" x="{x0}" y="{y}" width="{_num(plot_w)}" height="{_TL_ROW_H}" '
+                   f'fill="{TIMELINE_IDLE}" fill-opacity="0.85" stroke="#d0d7de" stroke-width="0.5"/>')
+    # cells
+    for c in cells:
+        chunk = c["stage"] // pp
+        fill, ink = _cell_colours(c["op"], chunk)
+        x = x0 + c["start"] * unit
+        w = (c["end"] - c["start"]) * unit
+        y = _TL_AXIS_H + c["rank"] * (_TL_ROW_H + _TL_ROW_GAP)
+        op_cls = c["op"] if c["op"] in ("F", "B") else "other"
+        tip = (f'rank {c["rank"]} · {"forward" if c["op"] == "F" else "backward" if c["op"] == "B" else c["op"]}'
+               f' · stage {c["stage"]} (chunk {chunk}) · microbatch {c["microbatch"]}'
+               f' · t {_num(c["start"])}–{_num(c["end"])}')
+        out.append(f'<rect class="cell {op_cls} chunk-{chunk}" x="{_num(x)}" y="{y}" width="{_num(w)}" '
+                   f'height="{_TL_ROW_H}" fill="{fill}" stroke="#ffffff" stroke-width="0.6">'
+                   f'<title>{_attr(tip)}</title></rect>')
+        text = str(c["microbatch"])
+        size = next((fs for fs in (10, 9, 8) if w >= 0.6 * fs * len(text) + 2), None)
+        if size is not None:   # the microbatch, when it fits (digits are about 0.6 em wide)
+            out.append(f'<text class="mb" x="{_num(x + w / 2)}" y="{_num(y + _TL_ROW_H / 2 + size * 0.35)}" '
+                       f'text-anchor="middle" fill="{ink}" font-size="{size}">{text}</text>')
+    # legend
+    for li, line in enumerate(lines):
+        y = legend_y0 + li * 18
+        for i, dx in line:
+            x = x0 + dx
+            if i == len(legend):
+                out.append(f'<text x="{_num(x)}" y="{_num(y + 10)}" fill="#656d76">{_attr(legend_note)}</text>')
+                continue
+            fill, stroke, text = legend[i]
+            stroke_attr = f' stroke="{stroke}" stroke-width="0.8"' if stroke else ""
+            out.append(f'<rect class="swatch" x="{_num(x)}" y="{_num(y + 1)}" width="12" height="12" '
+                       f'fill="{fill}"{stroke_attr}/>')
+            out.append(f'<text x="{_num(x + 18)}" y="{_num(y + 11)}" fill="#1f2328">{_attr(text)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _timeline(v: VariantResult) -> Optional[dict]:
+    """SVG and caption numbers of a variant's schedule timeline (None without cells)."""
+    svg = timeline_svg(v)
+    if svg is None:
+        return None
+    cells = _timeline_cells(v)
+    return {"svg": Markup(svg), "bubble": format_fraction(v.bubble_fraction),
+            "makespan": _num(max(c["end"] for c in cells)), "n_cells": len(cells)}
 
 
 def _family_tables(v: VariantResult) -> list[dict]:
@@ -450,6 +698,7 @@ def _environment() -> jinja2.Environment:
     env.filters["elapsed"] = format_elapsed
     env.filters["divergence"] = divergence_words
     env.filters["clean"] = _clean_text
+    env.filters["clip"] = clip_words
     env.filters["fmt_value"] = lambda x: (json.dumps(_json_safe(x), sort_keys=True)
                                           if isinstance(x, (dict, list, tuple)) else _clean_text(x))
     env.tests["relative_link"] = _is_relative_link
@@ -464,14 +713,28 @@ def render_html(result: CaseResult) -> str:
     """
     svg = loss_curves_svg(result)
     counts = {k: sum(v.verdict == k for v in result.variants) for k in ("pass", "fail", "error")}
-    variants = [{
-        "v": v,
-        "anchor": f"variant-{i}",
-        "is_baseline": v.name == result.baseline,
-        "family_tables": _family_tables(v),
-        "options": sorted((v.options or {}).items(), key=lambda kv: str(kv[0])),
-        "expectation": _expectation_words(v, result.baseline),
-    } for i, v in enumerate(result.variants)]
+    anchors = {}
+    for i, v in enumerate(result.variants):
+        anchors.setdefault(v.name, f"variant-{i}")
+    variants = []
+    for i, v in enumerate(result.variants):
+        tables = _family_tables(v)
+        ref = reference_of(v, result.baseline)
+        variants.append({
+            "v": v,
+            "anchor": f"variant-{i}",
+            "is_baseline": v.name == result.baseline,
+            "ref": ref,
+            "ref_anchor": anchors.get(ref),
+            "ref_is_baseline": ref == result.baseline,
+            "ref_is_self": ref == v.name,
+            "clip": clip_words(v.clip_grad),
+            "family_tables": tables,
+            "mismatch_total": sum(t["total"] for t in tables),
+            "timeline": _timeline(v),
+            "options": sorted((v.options or {}).items(), key=lambda kv: str(kv[0])),
+            "expectation": _expectation_words(v, result.baseline),
+        })
     template = _environment().get_template(TEMPLATE_NAME)
     return template.render(
         result=result,
@@ -480,7 +743,8 @@ def render_html(result: CaseResult) -> str:
         variants=variants,
         loss_svg=Markup(svg) if svg else None,
         hex_table=_hex_table(result),
-        mismatch_variants=[d for d in variants if d["family_tables"]],
+        mismatch_variants=[d for d in variants if d["family_tables"] and not d["ref_is_self"]],
+        grad_norm=_grad_norm_section(result),
         environment=sorted((result.environment or {}).items(), key=lambda kv: str(kv[0])),
     )
 

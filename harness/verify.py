@@ -38,6 +38,15 @@ def environment() -> dict:
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+def _transport_facts(run_dir: Path) -> dict:
+    """Transport and device settings the ranks recorded in their trace headers (rank 0's)."""
+    try:
+        header = json.loads((run_dir / "rank0.jsonl").read_text().splitlines()[0])
+    except (OSError, IndexError, ValueError):
+        return {}
+    return {"transport": header.get("transport"), "device_settings": header.get("settings")}
+
+
 def _dir_name(name: str, taken: set) -> str:
     base = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "variant"
     candidate, i = base, 1
@@ -155,7 +164,9 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
             bubble_fraction=bubble))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads
-    env["device"] = "cpu"
+    env["device"] = plan.spec.device
+    env["params_dtype"] = plan.runs[0].config.params_dtype
+    env.update(_transport_facts(work / dirs[base_name]))
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
                         elapsed_s=time.monotonic() - start, environment=env, command=command)
     write_report(result, work)

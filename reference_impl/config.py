@@ -158,6 +158,9 @@ class RunConfig(_Strict):
     model: ModelConfig
     training: TrainingConfig
     parallel: ParallelConfig
-    device: Literal["cpu"] = "cpu"
+    device: Literal["cpu", "cuda"] = "cpu"
+    # Megatron's params_dtype: bf16 keeps fp32 main_grad and fp32 optimizer master weights (as --bf16)
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    num_gpus: Optional[int] = Field(None, ge=1)  # cuda: spread ranks over this many GPUs (default: all)
     inject: Optional[str] = None             # test-only planted fault (reference_impl.faults)
     rank_timeout_s: float = Field(120.0, gt=0)  # gloo collective / p2p timeout inside ranks

@@ -2,14 +2,14 @@
 
 Sends are queued and posted together with the next receive in one ``batch_isend_irecv`` (as Megatron's
 combined ``send_forward_recv_backward`` calls); messages carry a tag made of (direction, stage, microbatch),
-so a receive can only ever match its own message.  After each backward the chunk's ``.grad`` is added to
+so on gloo a receive can only ever match its own message (NCCL ignores tags and matches per peer in posting
+order, which the schedules keep consistent).  After each backward the chunk's ``.grad`` is added to
 ``main_grad`` (fp32), so every parameter accumulates microbatches in ascending order (the schedule
 guarantees the order; megatron-semantics §4 "Gradient accumulation").
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .model.chunk import Microbatch, StageChunk
 from .model.losses import LossOutput
@@ -21,10 +21,11 @@ def _tag(direction: str, sender_stage: int, microbatch: int, num_microbatches: i
 
 
 def accumulate_main_grads(chunk: StageChunk) -> None:
-    """``main_grad += grad`` for every parameter that received a gradient, then drop ``.grad``."""
+    """``main_grad += grad`` (fp32, whatever the param dtype) for every parameter that received a gradient,
+    then drop ``.grad`` (Megatron's DDP grad-accumulation hook)."""
     for p in chunk.parameters():
         if p.grad is not None:
-            p.main_grad.add_(p.grad)
+            p.main_grad.add_(p.grad.float() if p.grad.dtype != torch.float32 else p.grad)
             p.grad = None
 
 
@@ -35,25 +36,23 @@ class StepExecutor:
     each microbatch computed on this rank (loss stage only), in microbatch order.
     """
 
-    def __init__(self, chunks: dict[int, StageChunk], num_microbatches: int, device: torch.device):
-        self.chunks, self.m, self.device = chunks, num_microbatches, device
+    def __init__(self, chunks: dict[int, StageChunk], num_microbatches: int, transport, dtype: torch.dtype):
+        self.chunks, self.m, self.transport, self.dtype = chunks, num_microbatches, transport, dtype
 
     def run(self, actions: list[Action], microbatches: list[Microbatch]) -> list[LossOutput]:
         inputs: dict = {}       # (stage, mb) -> received activation (requires grad)
         stash: dict = {}        # (stage, mb) -> (input, output) kept for backward
         grads_in: dict = {}     # (stage, mb) -> received output gradient
-        pending: list = []      # queued send P2POps
+        pending: list = []      # queued sends (tensor, peer, tag)
         works: list = []
         losses: dict[int, LossOutput] = {}
         for a in actions:
             key = (a.stage, a.microbatch)
             if a.op == "RECV_F" or a.op == "RECV_B":
-                buf = torch.empty(a.shape, device=self.device)
                 direction, sender = ("F", a.stage - 1) if a.op == "RECV_F" else ("B", a.stage + 1)
-                op = dist.P2POp(dist.irecv, buf, a.peer, tag=_tag(direction, sender, a.microbatch, self.m))
-                reqs = dist.batch_isend_irecv(pending + [op])
-                works += reqs[:-1]
-                reqs[-1].wait()
+                tag = _tag(direction, sender, a.microbatch, self.m)
+                buf, sent = self.transport.batch(pending, (a.shape, self.dtype, a.peer, tag))
+                works += sent
                 pending = []
                 if a.op == "RECV_F":
                     inputs[key] = buf.requires_grad_()
@@ -67,7 +66,7 @@ class StepExecutor:
                     losses[a.microbatch] = out
             elif a.op == "SEND_F":
                 out = stash[key][1].detach()
-                pending.append(dist.P2POp(dist.isend, out, a.peer, tag=_tag("F", a.stage, a.microbatch, self.m)))
+                pending.append((out, a.peer, _tag("F", a.stage, a.microbatch, self.m)))
             elif a.op == "B":
                 x, out = stash.pop(key)
                 if isinstance(out, LossOutput):
@@ -79,11 +78,11 @@ class StepExecutor:
                     stash[("grad",) + key] = x.grad
             elif a.op == "SEND_B":
                 g = stash.pop(("grad",) + key)
-                pending.append(dist.P2POp(dist.isend, g, a.peer, tag=_tag("B", a.stage, a.microbatch, self.m)))
+                pending.append((g, a.peer, _tag("B", a.stage, a.microbatch, self.m)))
             else:
                 raise ValueError(f"unknown action {a}")
         if pending:
-            works += dist.batch_isend_irecv(pending)
-        for w in works:
+            works += self.transport.batch(pending, None)[1]
+        for w, _ in works:
             w.wait()
         return [losses[m] for m in sorted(losses)]

@@ -44,7 +44,8 @@ class EmbeddingSync:
     the MTP stage's replica; when both are on this rank (canonical P=1) the sum is local, ``first + mtp``.
     """
 
-    def __init__(self, layout, rank: int, params):
+    def __init__(self, layout, rank: int, params, transport):
+        self.transport = transport
         self.local = {replica: p for _, name, replica, p, _ in params if name == names.EMBEDDING}
         self.group = None
         if layout.mtp_stage is not None:
@@ -61,10 +62,10 @@ class EmbeddingSync:
             mtp.main_grad.copy_(first.main_grad)
         elif self.group is not None:
             (p,) = self.local.values()
-            dist.all_reduce(p.main_grad, group=self.group)
+            self.transport.all_reduce(p.main_grad, group=self.group)
 
 
-def grad_norm(mode: str, params, device) -> torch.Tensor:
+def grad_norm(mode: str, params, transport) -> torch.Tensor:
     """Global L2 norm of the non-replica ``main_grad`` s of all ranks (collective: every rank calls it).
 
     params: this rank's (key, name, replica, param, order) tuples.  Returns fp32 (megatron) or fp64
@@ -73,9 +74,9 @@ def grad_norm(mode: str, params, device) -> torch.Tensor:
     local = [(order, key, p.main_grad) for key, _, replica, p, order in params if replica is None]
     if mode == "megatron":
         norms = [torch.linalg.vector_norm(g) for _, _, g in local]
-        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)
+        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=transport.device)
         total = norm ** 2
-        dist.all_reduce(total)
+        transport.all_reduce(total)
         return total.sqrt()
     sums = [(order, key, float(g.double().pow(2).sum())) for order, key, g in local]
     gathered: list = [None] * dist.get_world_size()
@@ -83,7 +84,7 @@ def grad_norm(mode: str, params, device) -> torch.Tensor:
     total = 0.0
     for _, _, sq in sorted(x for part in gathered for x in part):
         total += sq
-    return torch.tensor(math.sqrt(total), dtype=torch.float64)
+    return torch.tensor(math.sqrt(total), dtype=torch.float64, device=transport.device)
 
 
 @torch.no_grad()

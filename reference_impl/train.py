@@ -33,12 +33,13 @@ class RankState:
     each parameter carries an fp32 ``main_grad``.
     """
 
-    def __init__(self, cfg: RunConfig, rank: int):
-        self.cfg, self.rank = cfg, rank
+    def __init__(self, cfg: RunConfig, rank: int, transport):
+        self.cfg, self.rank, self.transport = cfg, rank, transport
         par, model, t = cfg.parallel, cfg.model, cfg.training
         self.layout = PipelineLayout.from_string(par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size,
                                                  model.num_layers, model.mtp_num_layers)
-        self.device = torch.device(cfg.device)
+        self.device = transport.device
+        self.dtype = getattr(torch, cfg.params_dtype)
         separate = t.reductions == "canonical"
         self.chunks = {s: StageChunk(model, self.layout, s, t.num_microbatches, separate)
                        for s in self.layout.stages_of_rank(rank)}
@@ -47,11 +48,13 @@ class RankState:
         for chunk in self.chunks.values():
             named = list(chunk.global_parameters())
             init_parameters(((name, p) for name, _, p in named), model, t.seed)
-            chunk.to(self.device)
+            chunk.to(self.device, self.dtype)
             for name, replica, p in named:
                 sec = names.section_and_layer(name)
                 within[(sec, replica)] = within.get((sec, replica), -1) + 1
-                p.main_grad = torch.zeros_like(p)
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                # fp32 master weights for the optimizer (Megatron's bf16 optimizer); fp32 params are their own
+                p.master = p if p.dtype == torch.float32 else p.detach().float().clone()
                 self.params.append((names.replica_key(name, replica), name, replica, p,
                                     (*sec, within[(sec, replica)])))
             for layer in chunk.moe_layers():
@@ -65,10 +68,12 @@ class RankState:
                      for key, name, replica, p, order in self.params]
         return {"type": "header", "format": FORMAT, "rank": self.rank, "world_size": dist.get_world_size(),
                 "stages": sorted(self.chunks), "params": inventory,
-                "reductions": self.cfg.training.reductions}
+                "reductions": self.cfg.training.reductions, "device": str(self.device),
+                "params_dtype": self.cfg.params_dtype, "transport": self.transport.description,
+                "settings": self.transport.settings}
 
     def fingerprints(self, attr: str) -> dict:
-        """{key: fingerprint} of every parameter (attr "data") or its main_grad (attr "main_grad")."""
+        """{key: fingerprint} of every parameter's fp32 master value (attr "master") or main_grad."""
         return {key: fingerprint_hex(getattr(p, attr)) for key, _, _, p, _ in self.params}
 
     def buffers(self) -> dict:
@@ -80,29 +85,31 @@ def make_optimizer(state: RankState) -> torch.optim.Optimizer:
     """AdamW (β1, β2 from the config), weight decay on matrices only; the single-tensor (non-foreach)
     implementation so each parameter's update depends on nothing but its own tensors."""
     t = state.cfg.training
-    decay = [p for _, name, _, p, _ in state.params if names.is_matrix(name, p.ndim)]
-    no_decay = [p for _, name, _, p, _ in state.params if not names.is_matrix(name, p.ndim)]
+    decay = [p.master for _, name, _, p, _ in state.params if names.is_matrix(name, p.ndim)]
+    no_decay = [p.master for _, name, _, p, _ in state.params if not names.is_matrix(name, p.ndim)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                              foreach=False, fused=False)
 
 
-def train(cfg: RunConfig, rank: int, trace_path: Path) -> None:
-    """Run ``cfg.training.train_iters`` steps on pipeline rank `rank`, writing the rank trace to `trace_path`."""
+def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
+    """Run ``cfg.training.train_iters`` steps on pipeline rank `rank`, writing the rank trace to `trace_path`.
+
+    transport: this rank's `transport.Transport` (process group already initialised)."""
     t = cfg.training
-    state = RankState(cfg, rank)
+    state = RankState(cfg, rank, transport)
     layout = state.layout
     actions = build_schedule(layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
                              cfg.model.hidden_size)[rank]
     actions = faults.schedule(cfg.inject, actions, layout, rank)
-    sync_embedding = EmbeddingSync(layout, rank, state.params)
+    sync_embedding = EmbeddingSync(layout, rank, state.params, transport)
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, cfg.model.vocab_size)
-    executor = StepExecutor(state.chunks, t.num_microbatches, state.device)
+    executor = StepExecutor(state.chunks, t.num_microbatches, transport, state.dtype)
     optimizer = make_optimizer(state)
     writer = TraceWriter(trace_path)
     writer.write(state.header())
-    writer.write({"type": "init", "params": state.fingerprints("data")})
+    writer.write({"type": "init", "params": state.fingerprints("master")})
     for step in range(t.train_iters):
         start = time.perf_counter()
         faults.at_step_start(cfg.inject, step, rank, dist.get_world_size())
@@ -116,16 +123,19 @@ def train(cfg: RunConfig, rank: int, trace_path: Path) -> None:
         record = {"type": "step", "step": step, "grads": state.fingerprints("main_grad"),
                   "grad_norm": None, "clip_coeff": None, "clipped": None}
         if t.clip_grad > 0:
-            norm = grad_norm(t.reductions, state.params, state.device)
+            norm = grad_norm(t.reductions, state.params, transport)
             coeff, clipped = clip(norm, t.clip_grad, state.params)
             record.update(grad_norm=scalar(norm), clip_coeff=scalar(coeff), clipped=clipped)
         for *_, p, _ in state.params:
-            p.grad = p.main_grad
+            p.master.grad = p.main_grad
         optimizer.step()
-        for *_, p, _ in state.params:
-            p.grad = None
-            p.main_grad.zero_()
-        record["params"] = state.fingerprints("data")
+        with torch.no_grad():
+            for *_, p, _ in state.params:
+                p.master.grad = None
+                p.main_grad.zero_()
+                if p.master is not p:
+                    p.copy_(p.master)
+        record["params"] = state.fingerprints("master")
         record["buffers"] = state.buffers()
         if outs:
             record["losses"] = [{"microbatch": m, "lm": scalar(o.lm_loss), "num_tokens": int(o.num_tokens.item()),

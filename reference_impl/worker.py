@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -15,10 +14,11 @@ import torch.distributed as dist
 
 from .config import RunConfig
 from .train import train
+from .transport import setup
 
 
 def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str) -> None:
-    """Initialise gloo through a FileStore, run `train`, write ``rank{r}.jsonl``; stdout/stderr go to
+    """Initialise the process group (gloo or NCCL, `transport.setup`) through a FileStore, run `train`, write ``rank{r}.jsonl``; stdout/stderr go to
     ``rank{r}.log`` (an uncaught exception leaves its traceback there and exit code 1)."""
     log = open(Path(run_dir) / f"rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
@@ -29,11 +29,11 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     torch.set_num_threads(cfg.training.num_threads)
     torch.use_deterministic_algorithms(True)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=cfg.rank_timeout_s))
+    transport = setup(cfg.device, rank, world_size, store, cfg.rank_timeout_s, cfg.num_gpus)
     try:
-        print(f"rank {rank}/{world_size} pid {os.getpid()}: torch {torch.__version__}, threads {torch.get_num_threads()}")
-        train(cfg, rank, Path(run_dir) / f"rank{rank}.jsonl")
+        print(f"rank {rank}/{world_size} pid {os.getpid()}: torch {torch.__version__}, "
+              f"threads {torch.get_num_threads()}, {transport.description} on {transport.device}")
+        train(cfg, rank, Path(run_dir) / f"rank{rank}.jsonl", transport)
         print(f"rank {rank}: done")
     finally:
         dist.destroy_process_group()

@@ -565,7 +565,7 @@ def test_chunk_intermediate_activations():
     assert x0.shape == x1.shape == (s, b, CHUNK_CFG.hidden_size)
     assert x2.shape == (2 * s, b, CHUNK_CFG.hidden_size)
     with torch.no_grad():
-        h = four[2].decoder.final_layernorm(four[2].decoder.layers["3"](x1, *four[2].rope(s, "cpu")))
+        h = four[2].decoder.final_layernorm(four[2].decoder.layers["3"](x1, *four[2].rope(s, "cpu", torch.float32)))
     assert torch.equal(x2[:s], h)
 
 

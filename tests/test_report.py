@@ -20,6 +20,18 @@ def _hex(x: float) -> str:
     return "0x%08x" % struct.unpack("<I", struct.pack("<f", x))[0]
 
 
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _bits(h: str) -> float:
+    return struct.unpack("<f", struct.pack("<I", int(h, 16)))[0]
+
+
+def _cells(*rows: tuple) -> list[dict]:
+    return [dict(zip(("rank", "start", "end", "op", "stage", "microbatch"), r)) for r in rows]
+
+
 def _series(losses: list[float]) -> StepSeries:
     return StepSeries(lm_loss=list(losses), lm_loss_hex=[_hex(x) for x in losses],
                       mtp_loss=[[x + 0.1] for x in losses], grad_norm=[None] * len(losses),
@@ -29,6 +41,23 @@ def _series(losses: list[float]) -> StepSeries:
 BASE_LOSSES = [10.5, 9.75, 9.125]
 FAIL_LOSSES = [10.5, 9.7500009, 9.1]  # step 0 equal, steps 1 and 2 differ
 
+CLIP = 0.05
+# Grad norms of the clipped reference (pp2_vpp2) and of pp4_mtp, which is compared with it: step 0 equal,
+# step 1 one ULP apart, step 2 three ULPs apart.  Clipping triggers at step 2 only.
+REF_NORMS = [_f32(0.03125), _f32(0.0390625), _f32(0.0625)]
+REF_NORM_HEX = [_hex(x) for x in REF_NORMS]
+FAIL_NORM_HEX = [REF_NORM_HEX[0], "0x%08x" % (int(REF_NORM_HEX[1], 16) + 1), "0x%08x" % (int(REF_NORM_HEX[2], 16) - 3)]
+FAIL_NORMS = [_bits(h) for h in FAIL_NORM_HEX]
+
+# 2 ranks x 2 chunks (stages 0..3, stage s on rank s % 2), 2 microbatches: 8 F cells, 8 B cells, makespan 18,
+# 12 busy units per rank -> bubble 1/3.
+PP2_VPP2_TIMELINE = _cells(
+    (0, 0, 1, "F", 0, 0), (0, 1, 2, "F", 0, 1), (0, 2, 3, "F", 2, 0), (0, 3, 4, "F", 2, 1),
+    (0, 8, 10, "B", 2, 0), (0, 10, 12, "B", 2, 1), (0, 14, 16, "B", 0, 0), (0, 16, 18, "B", 0, 1),
+    (1, 1, 2, "F", 1, 0), (1, 2, 3, "F", 1, 1), (1, 3, 4, "F", 3, 0), (1, 4, 5, "F", 3, 1),
+    (1, 5, 7, "B", 3, 0), (1, 7, 9, "B", 3, 1), (1, 11, 13, "B", 1, 0), (1, 13, 15, "B", 1, 1))
+BASELINE_TIMELINE = _cells((0, 0, 1, "F", 0, 0), (0, 1, 3, "B", 0, 0), (0, 3, 4, "F", 0, 1), (0, 4, 6, "B", 0, 1))
+
 
 def make_result() -> CaseResult:
     """A baseline, a passing variant, a failing variant with a divergence and an errored variant."""
@@ -36,21 +65,34 @@ def make_result() -> CaseResult:
         name="baseline", layout="E|t*4|L", pp=1, vpp=1, mtp_standalone=False, expect="bitwise",
         verdict="pass", bitwise_equal=True, first_divergence=None, reason="baseline run",
         layout_grid="rank 0: E t t t t L", options={}, series=_series(BASE_LOSSES),
-        elapsed_s=12.5, run_dir="runs/baseline", command="bitparity verify cases/x.yaml --only baseline")
+        elapsed_s=12.5, run_dir="runs/baseline", command="bitparity verify cases/x.yaml --only baseline",
+        compare_to="baseline", timeline=BASELINE_TIMELINE, bubble_fraction=0.0)
+    ref_series = _series(BASE_LOSSES)
+    ref_series.grad_norm, ref_series.grad_norm_hex = list(REF_NORMS), list(REF_NORM_HEX)
+    ref_series.grad_norm_ulp = [None, None, None]  # the baseline does not clip: not comparable
+    ref_series.clip_coeff = [CLIP / (x + 1e-6) for x in REF_NORMS]
+    ref_series.clipped = [False, False, True]
+    fail_series = _series(FAIL_LOSSES)
+    fail_series.grad_norm, fail_series.grad_norm_hex = list(FAIL_NORMS), list(FAIL_NORM_HEX)
+    fail_series.grad_norm_ulp = [0, 1, 3]
+    fail_series.clip_coeff = [CLIP / (x + 1e-6) for x in FAIL_NORMS]
+    fail_series.clipped = [False, False, True]
     passing = VariantResult(
         name="pp2_vpp2", layout="E,t|t,t|t,L", pp=2, vpp=2, mtp_standalone=False, expect="bitwise",
         verdict="pass", bitwise_equal=True, first_divergence=None,
         reason="bitwise equal over 3 steps", layout_grid="rank 0: E t | t L\nrank 1: t t",
-        options={"micro_batches": 4}, series=_series(BASE_LOSSES),
+        options={"micro_batches": 4, "clip_grad": CLIP}, series=ref_series,
         family_mismatches={"grad": [{f: 0 for f in FAMILIES}] * 3, "param": [{}] * 3},
-        elapsed_s=20.25, run_dir="runs/pp2_vpp2", command="bitparity verify cases/x.yaml --only pp2_vpp2")
+        elapsed_s=20.25, run_dir="runs/pp2_vpp2", command="bitparity verify cases/x.yaml --only pp2_vpp2",
+        compare_to="baseline", clip_grad=CLIP, timeline=PP2_VPP2_TIMELINE, bubble_fraction=1 / 3)
     failing = VariantResult(
         name="pp4_mtp", layout="E|t,t|t,t|L,M", pp=4, vpp=1, mtp_standalone=True, expect="bitwise",
         verdict="fail", bitwise_equal=False,
         first_divergence=FirstDivergence(step=0, kind="grad", microbatch=None,
                                          name="embedding.word_embeddings.weight", detail=FAIL_DETAIL),
         reason="grads differ from baseline at step 0", layout_grid="rank 0: E\nrank 3: L M",
-        options={"mtp_standalone": True, "seed": 7}, series=_series(FAIL_LOSSES),
+        options={"mtp_standalone": True, "seed": 7}, series=fail_series,
+        compare_to="pp2_vpp2", clip_grad=CLIP,
         family_mismatches={
             "grad": [{"embedding/head": 2, "experts": 0}, {"experts": 5, "router": 1}, {"mtp": 3}],
             "param": [{}, {"embedding/head": 1}, {"experts": 4}],
@@ -62,7 +104,9 @@ def make_result() -> CaseResult:
         reason="rank 1 exited with code 1",
         error="Traceback (most recent call last):\n  \x1b[31mRuntimeError: <boom> & co\x1b[0m\x00",
         series=StepSeries(), elapsed_s=3.0, run_dir="runs/err",
-        command="bitparity verify cases/x.yaml --only 'pp2 <b>x</b>'")
+        command="bitparity verify cases/x.yaml --only 'pp2 <b>x</b>'",
+        compare_to="baseline", reductions="canonical",
+        timeline=_cells((0, 0, 1, "F", 0, 0), (1, 1, 2, "F", 1, 0), (1, 2, 4, "B", 1, 0), (0, 4, 6, "B", 0, 0)))
     return CaseResult(
         case="dsv3_small", case_path="cases/dsv3_small.yaml", baseline="baseline",
         variants=[baseline, passing, failing, errored], elapsed_s=66.75,
@@ -95,7 +139,7 @@ def test_summary_dict_schema_and_values(result):
                 "expect": str, "verdict": str}
     for v in s["variants"]:
         assert set(required) | {"bitwise_equal", "first_divergence"} <= set(v)
-        assert set(v) <= set(required) | {"bitwise_equal", "first_divergence", "reason", "elapsed_s"}
+        assert {"reason", "elapsed_s", "compare_to", "reductions", "clip_grad", "bubble_fraction"} <= set(v)
         for key, typ in required.items():
             assert type(v[key]) is typ, (key, v[key])
         assert v["verdict"] in ("pass", "fail", "error")
@@ -103,7 +147,7 @@ def test_summary_dict_schema_and_values(result):
         fd = v["first_divergence"]
         if fd is not None:
             assert set(fd) == {"step", "kind", "microbatch", "name"}
-            assert type(fd["step"]) is int and fd["kind"] in ("loss", "grad", "param")
+            assert type(fd["step"]) is int and fd["kind"] in ("loss", "grad", "grad_norm", "param")
 
     base, ok, bad, err = s["variants"]
     assert (base["verdict"], ok["verdict"], bad["verdict"], err["verdict"]) == ("pass", "pass", "fail", "error")
@@ -115,6 +159,10 @@ def test_summary_dict_schema_and_values(result):
     assert bad["reason"] == "grads differ from baseline at step 0"
     assert bad["elapsed_s"] == 31.0
     assert s["environment"]["torch"] == "2.13.0"
+    assert [v["compare_to"] for v in s["variants"]] == ["baseline", "baseline", "pp2_vpp2", "baseline"]
+    assert [v["reductions"] for v in s["variants"]] == ["megatron", "megatron", "megatron", "canonical"]
+    assert [v["clip_grad"] for v in s["variants"]] == [0.0, CLIP, CLIP, 0.0]
+    assert [v["bubble_fraction"] for v in s["variants"]] == [0.0, 1 / 3, None, None]
     # Round-trips through strict JSON.
     assert json.loads(json.dumps(s, allow_nan=False)) == s
 
@@ -125,6 +173,20 @@ def test_summary_dict_loss_divergence_keeps_microbatch():
     fd = report.summary_dict(r)["variants"][2]["first_divergence"]
     assert fd == {"step": 3, "kind": "loss", "microbatch": 1, "name": "mtp_1"}
     assert report.divergence_words(r.variants[2].first_divergence) == "step 3 · loss · mb 1 · mtp_1"
+
+
+def test_summary_dict_grad_norm_divergence_and_unset_compare_to():
+    r = make_result()
+    r.variants[2].first_divergence = FirstDivergence(step=1, kind="grad_norm", microbatch=None,
+                                                     name="grad norm", detail="grad norm 0x1 vs 0x2 (1 ulp)")
+    r.variants[3].compare_to = ""       # older results: no compare_to means the baseline
+    r.variants[1].clip_grad = float("nan")
+    s = report.summary_dict(r)
+    assert s["variants"][2]["first_divergence"] == {"step": 1, "kind": "grad_norm", "microbatch": None,
+                                                    "name": "grad norm"}
+    assert s["variants"][3]["compare_to"] == "baseline"
+    assert s["variants"][1]["clip_grad"] == 0.0
+    json.dumps(s, allow_nan=False)
 
 
 # --------------------------------------------------------------------------------------------- junit
@@ -150,7 +212,8 @@ def test_junit_counts_and_elements(result):
     assert failure.get("message") == "grads differ from baseline at step 0"
     assert "step 0 · grad · embedding.word_embeddings.weight" in failure.text
     assert FAIL_DETAIL in failure.text
-    assert "expected bitwise equality" in failure.text
+    assert "expected bitwise equality with reference run 'pp2_vpp2'" in failure.text
+    assert "reductions: megatron · clip_grad: 0.05 · compared with: pp2_vpp2" in failure.text
 
     error = err.find("error")
     assert error is not None and err.find("failure") is None
@@ -176,12 +239,17 @@ def test_markdown_summary(result):
     table = [ln for ln in lines if ln.startswith("|")]
     assert len(table) == 2 + 4  # header, separator, one row per variant
     assert "variant" in table[0] and "first divergence" in table[0]
+    assert "| P | V | reductions | clip | expect |" in table[0]
     # Every row has the same number of unescaped cell separators (names with `|` must not break it).
     seps = {len(re.findall(r"(?<!\\)\|", ln)) for ln in table}
-    assert seps == {8}
+    assert seps == {10}
     fail_row = next(ln for ln in table if "pp4" in ln)
     assert "fail" in fail_row and "step 0 · grad · embedding.word" in fail_row
-    assert "| 4 | 1 |" in fail_row
+    assert "| 4 | 1 | megatron | 0.05 | bitwise |" in fail_row
+    base_row = next(ln for ln in table if "(baseline)" in ln)
+    assert "| 1 | 1 | megatron | off | bitwise |" in base_row
+    err_row = next(ln for ln in table if "&lt;b&gt;" in ln)
+    assert "| canonical | off |" in err_row
     assert "[Full report](reports/dsv3_small/index.html)" in md
     assert "<b>" not in md and "&lt;b&gt;x&lt;/b&gt;" in md
     assert "FAIL" in lines[0]
@@ -250,10 +318,16 @@ def test_html_loss_hex_table_highlights_differences(html):
 
 def test_html_family_tables(html):
     sec = html.split('id="mismatches"', 1)[1].split('id="variants"', 1)[0]
-    # Only pp4_mtp has nonzero counts; pp2_vpp2 has all-zero tables but they are still shown.
+    # Only pp4_mtp has nonzero counts; pp2_vpp2's all-zero tables collapse into one muted line.
     assert "pp4_mtp" in sec and "pp2_vpp2" in sec
     tables = re.findall(r'<table class="family-table">(.*?)</table>', sec, re.S)
-    assert len(tables) == 4  # grad + param for each of pp2_vpp2 and pp4_mtp
+    assert len(tables) == 2  # grad + param of pp4_mtp only
+    quiet = re.findall(r'<p class="muted small no-mismatch">(.*?)</p>', sec, re.S)
+    assert len(quiet) == 1
+    assert "pp2_vpp2" in quiet[0] and "no mismatching tensors in any step" in quiet[0]
+    assert sec.count("no mismatching tensors in any step") == 1
+    # pp4_mtp's counts are relative to its reference run.
+    assert re.search(r'pp4_mtp</a>.*?vs pp2_vpp2', sec, re.S)
     fams = re.findall(r"<tr>\s*<td>([^<]+)</td>", tables[-2])
     assert fams == [f.replace("&", "&amp;") for f in FAMILIES]
     experts = re.search(r"<td>experts</td>(.*?)</tr>", tables[-2], re.S).group(1)
@@ -267,7 +341,11 @@ def test_html_without_loss_data_has_no_svg():
     for v in r.variants:
         v.series = StepSeries()
     out = report.render_html(r)
-    assert "<svg" not in out and "No loss data recorded." in out
+    loss = out.split('id="loss"', 1)[1].split('id="gradnorm"', 1)[0]
+    assert "<svg" not in loss and "No loss data recorded." in loss
+    for v in r.variants:
+        v.timeline = []
+    assert "<svg" not in report.render_html(r)
 
 
 def test_loss_svg_is_deterministic_and_embeddable(result):
@@ -313,3 +391,223 @@ def test_write_report_failure_leaves_no_temp_files(tmp_path, monkeypatch, result
     with pytest.raises(OSError, match="disk full"):
         report.write_report(r2, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# ------------------------------------------------------------------------ matrix: reductions, clip, ref
+
+def _matrix_rows(html: str) -> list[str]:
+    body = re.search(r'<table class="matrix">(.*?)</table>', html, re.S).group(1).split("<tbody>", 1)[1]
+    return re.findall(r'<tr class="verdict-\w+[^"]*">(.*?)</tr>', body, re.S)
+
+
+def test_html_matrix_reductions_clip_and_reference(html):
+    head = re.search(r'<table class="matrix">\s*<thead>(.*?)</thead>', html, re.S).group(1)
+    headers = re.findall(r"<th[^>]*>([^<]+)</th>", head)
+    assert headers == ["variant", "layout", "P", "V", "MTP standalone", "reductions", "clip", "compared with",
+                       "expect", "verdict", "bitwise equal", "first divergence", "reason", "elapsed"]
+    rows = _matrix_rows(html)
+    red = [re.search(r'<td class="reductions">([^<]*)</td>', r).group(1) for r in rows]
+    assert red == ["megatron", "megatron", "megatron", "canonical"]
+    clip = [re.search(r'<td class="num clip[^"]*">([^<]*)</td>', r).group(1) for r in rows]
+    assert clip == ["off", "0.05", "0.05", "off"]
+    refs = [re.search(r'<td class="ref([^"]*)">(.*?)</td>', r, re.S).groups() for r in rows]
+    # The baseline is compared with itself; pp2_vpp2 with the baseline (styled as such); pp4_mtp with pp2_vpp2.
+    assert refs[0][0] == "" and "itself" in refs[0][1]
+    assert refs[1][0] == " is-baseline"
+    assert '<a href="#variant-0">baseline</a>' in refs[1][1] and 'class="ref-baseline"' in refs[1][1]
+    assert refs[2][0] == "" and '<a href="#variant-1">pp2_vpp2</a>' in refs[2][1]
+    assert "ref-baseline" not in refs[2][1]
+    assert refs[3][0] == " is-baseline"
+
+
+def test_html_variant_card_names_reference_and_reductions(html):
+    card = html.split('id="variant-2"', 1)[1].split('<div class="variant', 1)[0]
+    assert "<code>megatron</code> · clip_grad 0.05" in card
+    assert '<a href="#variant-1">pp2_vpp2</a>' in card
+    assert "expected bitwise equality with reference run &#39;pp2_vpp2&#39;" in card
+
+
+# ------------------------------------------------------------------------------ grad norm & clipping
+
+def _gradnorm_section(html: str) -> str:
+    return html.split('<section id="gradnorm">', 1)[1].split("</section>", 1)[0]
+
+
+def _gradnorm_rows(table: str) -> list[list[tuple[str, str]]]:
+    body = table.split("<tbody>", 1)[1]
+    return [re.findall(r'<td class="([^"]*)"[^>]*>(.*?)</td>', tr, re.S)
+            for tr in re.findall(r"<tr>(.*?)</tr>", body, re.S)]
+
+
+def test_html_grad_norm_section(html):
+    sec = _gradnorm_section(html)
+    heads = re.findall(r'<h3 class="gradnorm-variant"><a href="#(variant-\d)">([^<]+)</a>', sec)
+    assert heads == [("variant-1", "pp2_vpp2"), ("variant-2", "pp4_mtp")]
+    tables = re.findall(r'<table class="gradnorm-table">(.*?)</table>', sec, re.S)
+    assert len(tables) == 2
+    ref_rows, fail_rows = _gradnorm_rows(tables[0]), _gradnorm_rows(tables[1])
+    assert len(ref_rows) == len(fail_rows) == 3
+
+    # columns: step, bits, value, ulp, reference bits, clip coeff, clipped
+    for step, row in enumerate(fail_rows):
+        assert row[0][1] == str(step)
+        assert row[1] == ("hex", FAIL_NORM_HEX[step])
+        assert row[2][1] == repr(FAIL_NORMS[step])
+        assert row[4][1] == REF_NORM_HEX[step]
+        assert row[5][1] == repr(CLIP / (FAIL_NORMS[step] + 1e-6))
+    ulp = [(cls, text) for cls, text in (r[3] for r in fail_rows)]
+    assert ulp == [("num ulp zero", "0"), ("num ulp nonzero", "1"), ("num ulp nonzero", "3")]
+    assert [r[4][0] for r in fail_rows] == ["hex", "hex differs", "hex differs"]
+    assert [r[6] for r in fail_rows] == [("clipped", "no"), ("clipped", "no"), ("clipped clipped-yes", "yes")]
+    # pp2_vpp2 is compared with the unclipped baseline: no ULP distance, no reference bits.
+    assert [r[3] for r in ref_rows] == [("num ulp na muted", "—")] * 3
+    assert [r[4] for r in ref_rows] == [("hex muted", "—")] * 3
+    assert [r[1][1] for r in ref_rows] == REF_NORM_HEX
+
+    fail_intro = sec.split('href="#variant-2">pp4_mtp', 1)[1].split("<table", 1)[0]
+    assert "reductions <code>megatron</code> (fp32 grad norm)" in fail_intro
+    assert "clip_grad 0.05" in fail_intro and '<a href="#variant-1">pp2_vpp2</a>' in fail_intro
+    assert "2 steps with a nonzero ULP distance" in fail_intro
+    ref_intro = sec.split('href="#variant-1">pp2_vpp2', 1)[1].split("<table", 1)[0]
+    assert 'class="ref-baseline"' in ref_intro and "nonzero ULP" not in ref_intro
+
+    off = re.findall(r'<p class="muted small clipping-off">(.*?)</p>', sec, re.S)
+    assert len(off) == 1
+    assert off[0].startswith("clipping off: ")
+    assert re.findall(r'<a href="#variant-\d">([^<]+)</a>', off[0]) == ["baseline", "pp2 &lt;b&gt;x&lt;/b&gt;"]
+
+
+def test_html_grad_norm_canonical_fp64_and_all_off():
+    r = make_result()
+    v = r.variants[1]
+    v.reductions = "canonical"
+    v.series.grad_norm_hex = ["0x3fa0000000000000", "0x3fa4000000000000", "0x3fb0000000000000"]
+    sec = _gradnorm_section(report.render_html(r))
+    assert "reductions <code>canonical</code> (fp64 grad norm)" in sec
+    assert "0x3fa4000000000000" in sec
+
+    for v in r.variants:
+        v.clip_grad = 0.0
+    sec = _gradnorm_section(report.render_html(r))
+    assert "gradnorm-table" not in sec and "clipping-off" not in sec
+    assert "Gradient clipping is off in every variant" in sec
+
+
+# --------------------------------------------------------------------------------- schedule timeline
+
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def _svg_rects(svg: str, kind: str) -> list[ET.Element]:
+    root = ET.fromstring(svg)  # well-formed XML
+    return [e for e in root.iter(f"{SVG_NS}rect") if e.get("class", "").split()[:1] == [kind]]
+
+
+def _variant(**kw) -> VariantResult:
+    base = dict(name="v", layout="L", pp=2, vpp=1, mtp_standalone=False, expect="bitwise", verdict="pass",
+                bitwise_equal=True, first_divergence=None)
+    base.update(kw)
+    return VariantResult(**base)
+
+
+def test_timeline_svg_one_rect_per_cell_coloured_by_direction(result):
+    v = result.variants[1]
+    svg = report.timeline_svg(v)
+    assert svg.startswith("<svg") and svg.endswith("</svg>")
+    cells = _svg_rects(svg, "cell")
+    assert len(cells) == len(PP2_VPP2_TIMELINE) == 16
+    fwd = {f for f, _ in report.TIMELINE_FORWARD}
+    bwd = {f for f, _ in report.TIMELINE_BACKWARD}
+    assert not fwd & bwd and report.TIMELINE_IDLE not in fwd | bwd
+    ops = [e.get("class").split()[1] for e in cells]
+    assert ops.count("F") == 8 and ops.count("B") == 8
+    for e in cells:
+        assert e.get("fill") in (fwd if e.get("class").split()[1] == "F" else bwd)
+    # Chunk shading: stage s of a P=2 layout is chunk s // 2.
+    x_of = {e.find(f"{SVG_NS}title").text: e for e in cells}
+    assert x_of["rank 0 · forward · stage 0 (chunk 0) · microbatch 0 · t 0–1"].get("fill") == \
+        report.TIMELINE_FORWARD[0][0]
+    f2 = x_of["rank 0 · forward · stage 2 (chunk 1) · microbatch 0 · t 2–3"]
+    b2 = x_of["rank 0 · backward · stage 2 (chunk 1) · microbatch 0 · t 8–10"]
+    b0 = x_of["rank 0 · backward · stage 0 (chunk 0) · microbatch 0 · t 14–16"]
+    assert f2.get("fill") == report.TIMELINE_FORWARD[1][0]
+    assert b2.get("fill") == report.TIMELINE_BACKWARD[1][0] and b0.get("fill") == report.TIMELINE_BACKWARD[0][0]
+    # Geometry: x proportional to time (backward twice as wide as forward); rank 0 above rank 1.
+    assert float(b2.get("width")) == pytest.approx(2 * float(f2.get("width")))
+    assert float(b2.get("x")) - float(f2.get("x")) == pytest.approx(6 * float(f2.get("width")))
+    r1 = x_of["rank 1 · forward · stage 1 (chunk 0) · microbatch 0 · t 1–2"]
+    assert float(r1.get("y")) > float(f2.get("y"))
+    # Idle time: one light lane per rank behind the cells, nothing drawn in the gaps.
+    lanes = _svg_rects(svg, "lane")
+    assert len(lanes) == 2 and {e.get("fill") for e in lanes} == {report.TIMELINE_IDLE}
+    # Microbatch numbers inside the cells (all fit at this scale), and a legend.
+    labels = re.findall(r'<text class="mb"[^>]*>(\d+)</text>', svg)
+    assert sorted(labels) == sorted(str(c["microbatch"]) for c in PP2_VPP2_TIMELINE)
+    for text in ("forward · chunk 0", "forward · chunk 1", "backward · chunk 0", "backward · chunk 1",
+                 "idle (bubble)"):
+        assert f">{text}</text>" in svg
+    assert len(_svg_rects(svg, "swatch")) == 5
+    assert "<script" not in svg.lower() and "href" not in svg
+
+
+def test_timeline_svg_single_chunk_legend_and_deterministic(result):
+    v = result.variants[0]
+    svg = report.timeline_svg(v)
+    assert ">forward (1 unit)</text>" in svg and ">backward (2 units)</text>" in svg and "chunk" not in svg.split("</title>")[-1]
+    assert report.timeline_svg(v) == svg
+    shuffled = _variant(name=v.name, pp=v.pp, timeline=list(reversed(v.timeline)))
+    assert report.timeline_svg(shuffled) == svg
+
+
+def test_timeline_svg_large_schedule_fits_and_skips_bad_cells():
+    cells = []
+    for r in range(16):
+        t = r
+        for mb in range(50):
+            cells.append({"rank": r, "start": t, "end": t + 1, "op": "F", "stage": r, "microbatch": mb})
+            t += 1
+        for mb in range(50):
+            cells.append({"rank": r, "start": t, "end": t + 2, "op": "B", "stage": r, "microbatch": mb})
+            t += 2
+    bad = [{"rank": 0, "start": 1, "end": 1, "op": "F"}, {"start": 0, "end": 1, "op": "F"}, "junk",
+           {"rank": "x", "start": 0, "end": 1, "op": "F"}, {"rank": 0, "start": float("nan"), "end": 1, "op": "B"}]
+    svg = report.timeline_svg(_variant(pp=16, timeline=cells + bad))
+    root = ET.fromstring(svg)
+    assert float(root.get("width")) <= report.TIMELINE_MAX_WIDTH
+    assert root.get("viewBox") == f"0 0 {root.get('width')} {root.get('height')}"
+    assert len(_svg_rects(svg, "cell")) == 16 * 100
+    assert len(_svg_rects(svg, "lane")) == 16
+    ys = sorted({float(e.get("y")) for e in _svg_rects(svg, "lane")})
+    assert len(ys) == 16
+    # Labels are only drawn where they fit: two-digit numbers do not fit a forward cell at this scale.
+    assert 0 < len(re.findall(r'<text class="mb"', svg)) < 16 * 100
+    assert report.timeline_svg(_variant(timeline=bad)) is None
+    assert report.timeline_svg(_variant(timeline=[])) is None
+
+
+def test_timeline_svg_unknown_op_and_escaped_name():
+    v = _variant(name='a "<q>" & b', timeline=_cells((0, 0, 1, "W", 0, 0), (1, 0, 1, "F", 1, 0)))
+    svg = report.timeline_svg(v)
+    root = ET.fromstring(svg)
+    assert root.get("aria-label").startswith('schedule timeline of a "<q>" & b')
+    assert "<q>" not in svg
+    cells = _svg_rects(svg, "cell")
+    assert [e.get("fill") for e in cells] == [report.TIMELINE_OTHER[0], report.TIMELINE_FORWARD[0][0]]
+
+
+def test_html_timeline_in_variant_cards(html):
+    cards = re.split(r'<div class="variant \w+" id="variant-\d">', html.split('<section id="variants">', 1)[1])[1:]
+    assert len(cards) == 4
+    base, ok, bad, err = cards
+    # After the layout grid, before the reproduce command; the bubble fraction printed under it.
+    i_grid = ok.index("rank 0: E t | t L\nrank 1: t t")
+    i_svg = ok.index('<svg xmlns="http://www.w3.org/2000/svg" class="timeline-svg"')
+    assert i_grid < i_svg < ok.index("<h4>Reproduce</h4>")
+    assert ok.count('<rect class="cell ') == 16
+    assert "bubble fraction 33.3 %" in ok
+    assert "bubble fraction 0.0 %" in base
+    assert base.count('<rect class="cell ') == 4
+    assert "timeline-svg" not in bad and "bubble fraction" not in bad   # no timeline recorded
+    assert "bubble fraction —" in err                                   # cells but no fraction
+    assert 'aria-label="schedule timeline of pp2 &lt;b&gt;x&lt;/b&gt;: 2 ranks, 6 time units"' in err
+    assert html.count('class="timeline-svg"') == 3

@@ -46,6 +46,6 @@ class MLASelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        probs = torch.softmax(scores.masked_fill(causal, float("-inf")).float(), dim=-1).to(v.dtype)
         out = torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, self.n * self.dv)
         return self.linear_proj(out)

@@ -89,17 +89,18 @@ class StageChunk(nn.Module):
             else:
                 yield name, None, p
 
-    def rope(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (s, str(device))
+    def rope(self, s: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables [s, 1, 1, r/2] in the activation dtype, cached per (s, device, dtype)."""
+        key = (s, str(device), dtype)
         if key not in self._rope:
             cos, sin = rope_cos_sin(s, self.cfg.qk_pos_emb_head_dim, self.cfg.rotary_base)
-            self._rope[key] = (cos.to(device), sin.to(device))
+            self._rope[key] = (cos.to(device, dtype), sin.to(device, dtype))
         return self._rope[key]
 
     def forward(self, x: Optional[torch.Tensor], mb: Microbatch):
         h = self.embedding(mb.tokens) if self.has_embedding_input else x
         computed = self.has_embedding_input
-        cos, sin = self.rope(mb.tokens.shape[1], mb.tokens.device)
+        cos, sin = self.rope(mb.tokens.shape[1], mb.tokens.device, h.dtype)
         for layer in self.decoder.layers.values():
             h, computed = layer(h, cos, sin), True
         if self.has_final_norm:

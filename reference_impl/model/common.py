@@ -9,7 +9,8 @@ from torch.nn import functional as F
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019): ``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim.
 
-    Input/output [..., h] fp32; parameter ``weight`` [h] initialised to ones.
+    Input/output [..., h] in the params dtype; the normalisation runs in fp32 (as TE/Apex fused norms) and
+    is cast back before the weight multiply.  Parameter ``weight`` [h] initialised to ones.
     """
 
     def __init__(self, size: int, eps: float):
@@ -18,11 +19,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rope_cos_sin(seq_len: int, dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables (Su et al. 2021) for positions 0..seq_len-1: cos, sin of shape [s, 1, 1, dim/2], fp32.
+    """RoPE tables (Su et al. 2021) for positions 0..seq_len-1: cos, sin of shape [s, 1, 1, dim/2], fp32
+    (computed in fp64 on the CPU, so every device and layout gets the same table bits).
 
     The same unshifted table serves the decoder and the MTP layers (megatron-semantics §2.3 step 3).
     """

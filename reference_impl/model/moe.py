@@ -110,6 +110,7 @@ class MoELayer(nn.Module):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(t * k, device=x.device)
         routed = torch.cat(outputs).index_select(0, inverse).view(t, k, h)
+        probs = probs.to(routed.dtype)             # Megatron casts the fp32 router probs to the activation dtype
         combined = routed[:, 0] * probs[:, 0:1]
         for j in range(1, k):                      # fixed-order sum over the top-k
             combined = combined + routed[:, j] * probs[:, j:j + 1]
