@@ -128,6 +128,13 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     except ValidationError as e:
         raise UsageError(f"{path}: {_loc(e)}") from None
     _check_data(path, spec)
+    if spec.device == "cuda":
+        import torch  # the forkserver's children, not this process, run CUDA work
+        if not torch.cuda.is_available():
+            raise UsageError(f"{path}: device: cuda, but no CUDA device is available here")
+        if spec.num_gpus and spec.num_gpus > torch.cuda.device_count():
+            raise UsageError(f"{path}: num_gpus: {spec.num_gpus}, but only {torch.cuda.device_count()} "
+                             "CUDA devices are visible")
     names = [spec.baseline.name] + [v.name for v in spec.variants]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

@@ -162,5 +162,6 @@ class RunConfig(_Strict):
     # Megatron's params_dtype: bf16 keeps fp32 main_grad and fp32 optimizer master weights (as --bf16)
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     num_gpus: Optional[int] = Field(None, ge=1)  # cuda: spread ranks over this many GPUs (default: all)
+    capture: Literal["full", "losses"] = "full"  # "losses": no fingerprints (capture-overhead benchmark only)
     inject: Optional[str] = None             # test-only planted fault (reference_impl.faults)
     rank_timeout_s: float = Field(120.0, gt=0)  # gloo collective / p2p timeout inside ranks

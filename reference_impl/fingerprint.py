@@ -74,3 +74,20 @@ def float_bits_hex(t: torch.Tensor) -> str:
     size = t.element_size()
     value = int(raw_bits(t.reshape(1))[0])
     return f"0x{value:0{2 * size}x}"
+
+
+def fingerprint_hex_many(tensors: list) -> list[str]:
+    """`fingerprint_hex` of each tensor.  CUDA tensors go to the on-device kernel
+    (`reference_impl.fingerprint_gpu.fingerprint_many`, a few launches for the whole list) when Triton is
+    available, so gradients are never copied to the host; everything else is fingerprinted here."""
+    out: list = [None] * len(tensors)
+    cuda = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
+    if cuda:
+        try:
+            from .fingerprint_gpu import fingerprint_many
+        except ImportError:          # no Triton: correct, but copies each tensor to the host
+            fingerprint_many = None
+        if fingerprint_many is not None:
+            for i, v in zip(cuda, fingerprint_many([tensors[i] for i in cuda])):
+                out[i] = f"{v:016x}"
+    return [o if o is not None else fingerprint_hex(t) for o, t in zip(out, tensors)]

@@ -18,7 +18,7 @@ from .capture import FORMAT, TraceWriter, scalar
 from .config import RunConfig
 from .data import TokenDataset
 from .executor import StepExecutor
-from .fingerprint import fingerprint_hex
+from .fingerprint import fingerprint_hex_many
 from .init import init_parameters
 from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
 from .layout import PipelineLayout
@@ -73,12 +73,17 @@ class RankState:
                 "settings": self.transport.settings}
 
     def fingerprints(self, attr: str) -> dict:
-        """{key: fingerprint} of every parameter's fp32 master value (attr "master") or main_grad."""
-        return {key: fingerprint_hex(getattr(p, attr)) for key, _, _, p, _ in self.params}
+        """{key: fingerprint} of every parameter's fp32 master value (attr "master") or main_grad.
+        On CUDA all tensors of the step go to the on-device kernel in a few launches."""
+        if self.cfg.capture == "losses":
+            return {}
+        tensors = [getattr(p, attr) for _, _, _, p, _ in self.params]
+        return dict(zip((key for key, *_ in self.params), fingerprint_hex_many(tensors)))
 
     def buffers(self) -> dict:
-        return {name: fingerprint_hex(buf) for chunk in self.chunks.values()
-                for name, buf in chunk.named_buffers() if name.endswith("expert_bias")}
+        bufs = [(name, buf) for chunk in self.chunks.values() for name, buf in chunk.named_buffers()
+                if name.endswith("expert_bias")]
+        return dict(zip((n for n, _ in bufs), fingerprint_hex_many([b for _, b in bufs])))
 
 
 def make_optimizer(state: RankState) -> torch.optim.Optimizer:
