@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--device", choices=("cpu", "cuda"), help="override the case's device")
     v.add_argument("--num-gpus", type=int, help="cuda: spread ranks over this many GPUs (fewer than ranks: "
                                                    "ranks share GPUs, staged through host memory)")
+    v.add_argument("--launcher", choices=("fork", "torchrun"), default="fork",
+                   help="fork: ranks forked from a torch-preloaded forkserver (default); torchrun: one "
+                        "torchrun per run, rank/world from the environment, local rank r on cuda:r")
     v.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)   # test-only planted faults
     lay = sub.add_parser("layout", help="layout tools").add_subparsers(dest="action", required=True,
                                                                           parser_class=_Parser)
@@ -90,7 +93,8 @@ def _verify(args, argv) -> int:
                      overrides={"device": args.device, "num_gpus": args.num_gpus})
     if args.timeout is not None and args.timeout <= 0:
         raise UsageError("--timeout must be > 0")
-    result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout)
+    result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
+                    launcher=args.launcher)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
     print(f"{plan.name}: {n_pass}/{len(result.variants)} pass in {result.elapsed_s:.1f} s; "
           f"report: {Path(args.out) / plan.name / 'index.html'}")

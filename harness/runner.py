@@ -7,6 +7,10 @@ as soon as any rank exits non-zero or the timeout passes, then terminates, kills
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
 import multiprocessing.connection
 import time
 from dataclasses import dataclass
@@ -49,8 +53,50 @@ def _stop(procs) -> None:
             p.join()
 
 
-def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
-    """Start ``pipeline_model_parallel_size`` ranks for `cfg` writing into `run_dir` and wait for them."""
+def _first_failure(run_dir: Path, world: int) -> str:
+    """'rank r: <last line>' of the first rank whose log ends in a traceback, else ''."""
+    for r in range(world):
+        log = tail(run_dir / f"rank{r}.log", 40)
+        if "Traceback" in log:
+            return f"rank {r}: {log.strip().splitlines()[-1]}\nlast lines of rank{r}.log:\n{log}"
+    return ""
+
+
+def run_torchrun(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
+    """Launch the ranks with ``torchrun --standalone --nproc-per-node P`` (one process per rank, rank and
+    world from the environment, local rank r on ``cuda:r``) under the same watchdog."""
+    world = cfg.parallel.pipeline_model_parallel_size
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "config.json"
+    cfg_path.write_text(cfg.model_dump_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "reference_impl.worker", str(cfg_path), str(run_dir)]
+    start = time.monotonic()
+    with open(run_dir / "torchrun.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+            error = None if code == 0 else (f"torchrun exited with code {code}; " +
+                                            (_first_failure(run_dir, world) or tail(run_dir / "torchrun.log")))
+        except subprocess.TimeoutExpired:
+            error = f"timeout after {timeout_s:.0f} s (torchrun)"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    return RunOutcome(ok=error is None, error=error, elapsed_s=time.monotonic() - start)
+
+
+def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "fork") -> RunOutcome:
+    """Start ``pipeline_model_parallel_size`` ranks for `cfg` writing into `run_dir` and wait for them.
+
+    launcher: "fork" (forkserver children, default) or "torchrun" (`run_torchrun`)."""
+    if launcher == "torchrun":
+        return run_torchrun(cfg, run_dir, timeout_s)
     from reference_impl.worker import rank_main
 
     world = cfg.parallel.pipeline_model_parallel_size

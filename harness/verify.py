@@ -111,7 +111,7 @@ def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str]) -> t
 
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
-           progress: Callable[[str], None] = print) -> CaseResult:
+           progress: Callable[[str], None] = print, launcher: str = "fork") -> CaseResult:
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``)."""
     start = time.monotonic()
     final, work = out_root / plan.name, out_root / f".{plan.name}.partial"
@@ -125,7 +125,7 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
         dirs[name] = Path("runs") / _dir_name(name, taken)
         progress(f"[{i}/{len(plan.runs)}] {name}: P={run.layout.pipeline_model_parallel_size} "
                  f"V={run.layout.virtual_pipeline_model_parallel_size} {run.layout.text} ...")
-        outcome = run_ranks(run.config, work / dirs[name], timeout)
+        outcome = run_ranks(run.config, work / dirs[name], timeout, launcher)
         trace = None
         if outcome.ok:
             try:
@@ -165,6 +165,7 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads
     env["device"] = plan.spec.device
+    env["launcher"] = launcher
     env["params_dtype"] = plan.runs[0].config.params_dtype
     env.update(_transport_facts(work / dirs[base_name]))
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,

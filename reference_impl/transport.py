@@ -91,7 +91,8 @@ def setup(device: str, rank: int, world_size: int, store, timeout_s: float,
           num_gpus: Optional[int] = None) -> Transport:
     """Initialise the process group for `device` ("cpu" | "cuda") and return this rank's `Transport`.
 
-    num_gpus: GPUs to spread the ranks over (rank r -> cuda:(r % num_gpus)); default all visible.
+    num_gpus: GPUs to spread the ranks over (rank r -> cuda:(r % num_gpus), LOCAL_RANK under torchrun);
+    default all visible.  store None: ``env://`` rendezvous (torchrun).
     Raises RuntimeError when CUDA is requested but unavailable.
     """
     timeout = timedelta(seconds=timeout_s)
@@ -102,7 +103,7 @@ def setup(device: str, rank: int, world_size: int, store, timeout_s: float,
     if not torch.cuda.is_available():
         raise RuntimeError("device: cuda requested but torch.cuda.is_available() is False")
     gpus = min(num_gpus or torch.cuda.device_count(), torch.cuda.device_count())
-    dev = torch.device("cuda", rank % gpus)
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % gpus)
     torch.cuda.set_device(dev)
     staged = gpus < world_size
     backend = "gloo" if staged else "nccl"

@@ -1,6 +1,9 @@
-"""Process entry point of one pipeline rank (started by the harness runner, one process per rank).
+"""Process entry point of one pipeline rank.
 
-Imported by the runner's forkserver before any fork, so torch is imported once, not once per rank.
+Two launchers: the harness runner's forkserver calls `rank_main` (this module is imported there before any
+fork, so torch is imported once, not once per rank); ``torchrun ... -m reference_impl.worker CONFIG RUN_DIR``
+runs `main`, which takes rank and world size from the environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT) and maps local rank r to ``cuda:r``.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from .train import train
 from .transport import setup
 
 
-def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str) -> None:
+def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None) -> None:
     """Initialise the process group (gloo or NCCL, `transport.setup`) through a FileStore, run `train`, write ``rank{r}.jsonl``; stdout/stderr go to
     ``rank{r}.log`` (an uncaught exception leaves its traceback there and exit code 1)."""
     log = open(Path(run_dir) / f"rank{rank}.log", "w", buffering=1)
@@ -28,7 +31,7 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(cfg.training.num_threads)
     torch.use_deterministic_algorithms(True)
-    store = dist.FileStore(store_path, world_size)
+    store = dist.FileStore(store_path, world_size) if store_path else None   # None: env:// (torchrun)
     transport = setup(cfg.device, rank, world_size, store, cfg.rank_timeout_s, cfg.num_gpus)
     try:
         print(f"rank {rank}/{world_size} pid {os.getpid()}: torch {torch.__version__}, "
@@ -37,3 +40,13 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
         print(f"rank {rank}: done")
     finally:
         dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """torchrun entry: ``python -m reference_impl.worker CONFIG.json RUN_DIR``."""
+    cfg_path, run_dir = (argv if argv is not None else sys.argv[1:])[:2]
+    rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), Path(cfg_path).read_text(), run_dir, None)
+
+
+if __name__ == "__main__":
+    main()
