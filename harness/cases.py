@@ -1,7 +1,8 @@
 """Case files: YAML -> validated plan (one `RunConfig` per variant), or one `UsageError` line.
 
 Schema (unknown keys and wrong types are errors naming the key; top-level keys starting with ``x-`` are
-ignored, so they can hold YAML anchors that variants merge with ``<<: *anchor``)::
+ignored, so they can hold YAML anchors that variants merge with ``<<: *anchor``; ``extends: other.yaml``
+starts from another case and deep-merges this file's mappings over it)::
 
     name: dsv3                       # optional, defaults to the file stem
     description: ...
@@ -110,18 +111,7 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
             schedule, duplicate or unknown variant names — one line naming the file and the place.
     """
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path}: no such case file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise UsageError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"{path}: a case file must be a YAML mapping")
-    # Top-level keys starting with "x-" only hold YAML anchors (as in docker-compose files).
-    raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("x-"))}
+    raw = _read_yaml(path, seen=())
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         spec = CaseSpec.model_validate(raw)
@@ -160,6 +150,37 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     runs = [_plan(path, spec, spec.baseline, True, inject)]
     runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]
     return CasePlan(name=spec.name or path.stem, path=path, spec=spec, runs=runs)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple) -> dict:
+    """Load a case mapping; ``extends: other.yaml`` (relative to this file) deep-merges this file over it.
+    Top-level keys starting with ``x-`` only hold YAML anchors and are dropped."""
+    if not path.is_file():
+        raise UsageError(f"{path}: no such case file")
+    if path.resolve() in seen:
+        raise UsageError(f"{path}: 'extends' cycle")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise UsageError(f"{path}{where}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: a case file must be a YAML mapping")
+    raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("x-"))}
+    parent = raw.pop("extends", None)
+    if parent is not None:
+        if not isinstance(parent, str):
+            raise UsageError(f"{path}: extends must be a file name")
+        raw = _deep_merge(_read_yaml(path.parent / parent, seen + (path.resolve(),)), raw)
+    return raw
 
 
 def _check_data(path: Path, spec: CaseSpec) -> None:
