@@ -198,6 +198,11 @@ def _grids(draw, T, D, pp, vpp, allow_empty, placement, displaced):
     if isinstance(pp, st.SearchStrategy):
         P = draw(pp)
         assume(isinstance(P, int) and not isinstance(P, bool) and P >= 1)
+    elif pp is None and vpp is None:  # fewest stages first, then smallest P
+        pairs = [(P, V) for P in _p_list(T, D, None, *opts) for V in _v_list(T, D, P, None, *opts)]
+        P, V = draw(st.sampled_from(sorted(pairs, key=lambda pv: (pv[0] * pv[1], pv[0]))))
+        mstage = draw(st.sampled_from(_mtp_stages(T, D, P, V, *opts)))
+        return _build(draw, T, D, P * V, mstage, allow_empty, displaced), P, V
     elif pp is None:
         P = draw(st.sampled_from(_p_list(T, D, vpp, *opts)))
     else:

@@ -32,7 +32,12 @@ from .trace import Trace, TraceError, merge
 
 def environment() -> dict:
     """Facts that bitwise results depend on (recorded in every manifest and shown in the report)."""
-    return {"torch": metadata.version("torch"), "bitparity": metadata.version("bitparity"),
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed (source tree)"
+    return {"torch": version("torch"), "bitparity": version("bitparity"),
             "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
