@@ -112,7 +112,7 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     """
     path = Path(path)
     raw = _read_yaml(path, seen=())
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    raw = _deep_merge(raw, {k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         spec = CaseSpec.model_validate(raw)
     except ValidationError as e:

@@ -33,6 +33,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="fork: ranks forked from a torch-preloaded forkserver (default); torchrun: one "
                         "torchrun per run, rank/world from the environment, local rank r on cuda:r")
     v.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)   # test-only planted faults
+    fz = sub.add_parser("fuzz", help="random valid layouts of a case's model against its baseline; shrinks a failure")
+    fz.add_argument("case")
+    fz.add_argument("--budget", default="10m", help="time budget, e.g. 90s, 10m (default 10m)")
+    fz.add_argument("--seed", type=int, help="random seed (default: fresh)")
+    fz.add_argument("--out", default="reports", help="where the minimal failing case and its report go")
+    fz.add_argument("--max-pp", type=int, default=4, help="largest pipeline_model_parallel_size drawn")
+    fz.add_argument("--max-vpp", type=int, default=2, help="largest virtual stages per rank drawn")
+    fz.add_argument("--reductions", choices=("megatron", "canonical"), help="override the case's reduction mode")
+    fz.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)
     lay = sub.add_parser("layout", help="layout tools").add_subparsers(dest="action", required=True,
                                                                           parser_class=_Parser)
     le = lay.add_parser("explain", help="parse, validate and print a pipeline layout as a rank x stage grid")
@@ -101,6 +110,35 @@ def _verify(args, argv) -> int:
     return 0 if result.all_pass else 1
 
 
+def _fuzz(args, argv) -> int:
+    from reference_impl import faults
+
+    from .cases import load_case
+    from .fuzz import fuzz, parse_budget
+    from .verify import verify
+    budget = parse_budget(args.budget)
+    if args.max_pp < 1 or args.max_vpp < 1:
+        raise UsageError("--max-pp and --max-vpp must be >= 1")
+    try:
+        faults.check(args.inject)
+    except faults.FaultError as e:
+        raise UsageError(str(e)) from None
+    plan = load_case(args.case, overrides={"training": {"reductions": args.reductions}} if args.reductions else None)
+    out = Path(args.out)
+    res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp)
+    print(f"{plan.name}: tried {res.tried} layouts ({len(res.grids)} distinct stage grids) in {res.elapsed_s:.0f} s "
+          f"= {res.per_minute:.1f} layouts/min; {res.compute_s / max(res.tried, 1):.2f} s per layout")
+    if res.failure is None:
+        print("no layout differed from the baseline")
+        return 0
+    print(f"minimal failing layout: {res.failure['layout']} (P={res.failure['pp']}): {res.failure['why']}")
+    print(f"case: {res.minimal_case}")
+    mplan = load_case(res.minimal_case)
+    verify(mplan, out, command="bitparity " + shlex.join(["verify", str(res.minimal_case)]))
+    print(f"report: {out / mplan.name / 'index.html'}")
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``bitparity`` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
@@ -108,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         if args.command == "verify":
             return _verify(args, argv)
+        if args.command == "fuzz":
+            return _fuzz(args, argv)
         if args.command == "layout":
             return _layout_explain(args)
         return _schedule_explain(args)

@@ -198,12 +198,7 @@ def _grids(draw, T, D, pp, vpp, allow_empty, placement, displaced):
     if isinstance(pp, st.SearchStrategy):
         P = draw(pp)
         assume(isinstance(P, int) and not isinstance(P, bool) and P >= 1)
-    elif pp is None and vpp is None:  # fewest stages first, then smallest P
-        pairs = [(P, V) for P in _p_list(T, D, None, *opts) for V in _v_list(T, D, P, None, *opts)]
-        P, V = draw(st.sampled_from(sorted(pairs, key=lambda pv: (pv[0] * pv[1], pv[0]))))
-        mstage = draw(st.sampled_from(_mtp_stages(T, D, P, V, *opts)))
-        return _build(draw, T, D, P * V, mstage, allow_empty, displaced), P, V
-    elif pp is None:
+    elif pp is None:  # P then V: each shrinks on its own (a joint (P, V) draw gets stuck in local minima)
         P = draw(st.sampled_from(_p_list(T, D, vpp, *opts)))
     else:
         P = pp
@@ -313,10 +308,36 @@ def _join(draw, items: list[str], commas) -> str:
     return "".join(out)
 
 
+def _compact(s: str, groups: int, memo: dict) -> list[str]:
+    """Greedy short spelling of s (Megatron style, e.g. 'Et*3(|tt)*29|m|L'), groups nested `groups` deep."""
+    key = (s, groups)
+    if key in memo:
+        return memo[key]
+    items, i = [], 0
+    while i < len(s):
+        best = (0, 1, s[i])  # (characters saved, characters covered, item)
+        r = len(s) - i - len(s[i:].lstrip(s[i]))
+        if r >= 3:
+            item = f"{s[i]}*{r}"
+            best = max(best, (r - len(item), r, item))
+        if groups:
+            for length, k in _repeats(s, i):
+                if length > 1:
+                    item = "(" + "".join(_compact(s[i:i + length], groups - 1, memo)) + f")*{k}"
+                    best = max(best, (length * k - len(item), length * k, item))
+        items.append(best[2])
+        i += best[1]
+    memo[key] = items
+    return items
+
+
 @st.composite
 def _spelling_items(draw, s, compat, max_depth, commas):
-    if not draw(st.booleans()):  # shrinks to the plain spelling
+    style = draw(st.sampled_from(("plain", "random", "compact")))  # shrinks to the plain spelling
+    if style == "plain":
         return list(s)
+    if style == "compact":
+        return list(_compact(s, 1 if compat else max_depth, {}))
     return _items(draw, s, 0, compat, max_depth, commas)
 
 
@@ -335,8 +356,9 @@ def spellings(grid, *, megatron_compatible: bool = False, commas: bool = True,
               max_depth: int = 3) -> st.SearchStrategy:
     """Strings that parse (``reference_impl.layout.parse_layout``) to exactly ``grid``.
 
-    Forms: the plain spelling (stages joined by '|'; the shrink target), run lengths ``t*3`` (also ``|*2`` and
-    ``x*1``), repeated groups ``(tt|)*29``, groups used once (``(..)*1``, bare ``(..)``), nested groups up to
+    Forms: the plain spelling (stages joined by '|'; the shrink target), a greedy compact spelling in Megatron's
+    style (``Et*3(|tt)*29|m|L``), and random mixes of: run lengths ``t*3`` (also ``|*2`` and ``x*1``), repeated
+    groups ``(tt|)*29``, groups used once (``(..)*1``, bare ``(..)``), nested groups up to
     ``max_depth`` (``((t|)*2t|)*2``) and, if ``commas``, cosmetic commas at item boundaries.
 
     ``megatron_compatible=True`` keeps to what Megatron's regex expansion (``parse_str_to_list``) handles: no

@@ -7,6 +7,8 @@ Each is a deliberate bug of the kind users hit, switched on at one well-defined 
   ``self_attention.linear_q_down_proj.weight`` at step 0 (after accumulation, before capture).
 * ``swap_backward_microbatches``: the stage holding the last decoder layer runs the backward of microbatches 1
   and 2 in swapped order, so its parameters accumulate ``(g0 + g2) + g1`` instead of ``(g0 + g1) + g2``.
+* ``renorm_when_mtp_alone``: a stage holding only the MTP layer(s) normalises its input again (an extra,
+  weightless RMSNorm on h0) — a layout-dependent bug that only some layouts trigger, for the fuzzer.
 * ``crash_rank``: the last pipeline rank raises at step 0 (a crashed rank, for the watchdog).
 * ``hang_rank``: the last pipeline rank sleeps forever at step 0 (a hung rank, for the watchdog).
 """
@@ -16,7 +18,7 @@ import time
 
 import torch
 
-FAULTS = ("grad_bit_flip", "swap_backward_microbatches", "crash_rank", "hang_rank")
+FAULTS = ("grad_bit_flip", "swap_backward_microbatches", "renorm_when_mtp_alone", "crash_rank", "hang_rank")
 
 
 class FaultError(ValueError):
@@ -62,3 +64,11 @@ def after_grads(name, step, params, num_layers):
         if key == target:
             flat = p.main_grad.view(-1).view(torch.int32)
             flat[0] ^= 1
+
+
+def mtp_input(name, symbols, h):
+    """MTP-input faults: ``renorm_when_mtp_alone`` on a stage that holds nothing but MTP layers."""
+    if name == "renorm_when_mtp_alone" and set(symbols) == {"m"}:
+        hf = h.float()
+        return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+    return h

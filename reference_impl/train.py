@@ -41,7 +41,7 @@ class RankState:
         self.device = transport.device
         self.dtype = getattr(torch, cfg.params_dtype)
         separate = t.reductions == "canonical"
-        self.chunks = {s: StageChunk(model, self.layout, s, t.num_microbatches, separate)
+        self.chunks = {s: StageChunk(model, self.layout, s, t.num_microbatches, separate, cfg.inject)
                        for s in self.layout.stages_of_rank(rank)}
         self.params = []
         within: dict = {}

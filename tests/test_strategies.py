@@ -12,7 +12,7 @@ import re
 import time
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
@@ -32,10 +32,17 @@ def examples(n: int) -> int:
     return n * _SCALE
 
 
-def search(max_examples=2000):
-    """Settings for `find`: deterministic, no example database, enough tries to reach rare features."""
+def search(max_examples=2000, shrink=True):
+    """Settings for `find`: deterministic, no example database, enough tries to reach rare features;
+    shrink=False stops at the first example found (coverage checks need no minimal example)."""
+    phases = list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate]
     return settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck))
+                    suppress_health_check=list(HealthCheck), phases=phases)
+
+
+def reach(strategy, condition, max_examples=2000):
+    """Assert that `strategy` produces an example satisfying `condition` (no shrinking)."""
+    return find(strategy, condition, settings=search(max_examples, shrink=False))
 
 
 def megatron_parse(text: str) -> list[list[str]]:
@@ -234,14 +241,14 @@ def test_invalid_layouts_break_the_named_rule(data):
 
 @pytest.mark.parametrize("rule", sorted(INVALID_RULES))
 def test_every_invalid_rule_is_reachable(rule):
-    text, P, got = find(invalid_layouts(4, 2), lambda x: x[2] == rule, settings=search(500))
+    text, P, got = reach(invalid_layouts(4, 2), lambda x: x[2] == rule, 500)
     assert got == rule
     with pytest.raises(LayoutError):
         validated(text, P, 4, 2)
 
 
 def test_invalid_layouts_only_draw_possible_rules():
-    assert find(invalid_layouts(3, 0, pp=1), lambda x: True, settings=search())[2] in INVALID_RULES
+    assert reach(invalid_layouts(3, 0, pp=1), lambda x: True)[2] in INVALID_RULES
     for rules, args in [(["m_split"], (3, 1)), (["m_on_pp0"], (3, 0)), (["stages_not_divisible"], (3, 1, 1)),
                         (["no_such_rule"], (3, 1)), ([], (3, 1))]:
         with pytest.raises(InvalidArgument):
@@ -326,15 +333,22 @@ LAYOUT_FEATURES = {
 
 @pytest.mark.parametrize("feature", list(LAYOUT_FEATURES))
 def test_layouts_reach(feature):
-    find(layouts(4, 1), LAYOUT_FEATURES[feature], settings=search())
+    reach(layouts(4, 1), LAYOUT_FEATURES[feature])
 
 
 def test_displaced_ends_and_options_reach():
-    find(layouts(3, 1, allow_displaced_ends=True), lambda x: parse_layout(x[0])[0] == [], settings=search())
-    find(layouts(3, 1, allow_displaced_ends=True), lambda x: parse_layout(x[0])[-1] == [], settings=search())
+    reach(layouts(3, 1, allow_displaced_ends=True), lambda x: parse_layout(x[0])[0] == [])
+    reach(layouts(3, 1, allow_displaced_ends=True), lambda x: parse_layout(x[0])[-1] == [])
     grids = stage_grids(6, 2, allow_empty_stages=False)
-    find(grids, lambda g: g[0][0] == ("E",) and g[0][-1] == ("L",) and g[2] > 1, settings=search())
-    find(grids, lambda g: validated(plain(g[0]), g[1], 6, 2).mtp_standalone, settings=search())
+    reach(grids, lambda g: g[0][0] == ("E",) and g[0][-1] == ("L",) and g[2] > 1)
+    reach(grids, lambda g: validated(plain(g[0]), g[1], 6, 2).mtp_standalone)
+
+
+def test_spellings_reach_the_compact_megatron_style():
+    grid = (("E", "t", "t", "t"),) + (("t", "t"),) * 29 + (("m",), ("L",))
+    for compat in (False, True):
+        text = reach(spellings(grid, megatron_compatible=compat), lambda s: len(s) < 20)
+        assert parse_layout(text) == megatron_parse(text) == [list(s) for s in grid]
 
 
 # --- shrinking ------------------------------------------------------------------------------------------------
@@ -357,13 +371,13 @@ def test_shrinks_interleaved_to_four_stages():
     assert not re.search(r"[*(,]", text)
 
 
-def test_shrinks_empty_stage_to_three_stages():
+def test_shrinks_empty_stage_to_smallest_p_then_v():
+    # P shrinks first, then V: (2, 2); a P = 2, V = 1 layout has no room for an empty stage ('E...|...mL')
     text, P = find(layouts(4, 1), lambda x: [] in parse_layout(x[0]), settings=search())
-    assert (P, len(parse_layout(text))) == (3, 3)  # P = 2: no room for an empty stage between E and L
+    assert (P, len(parse_layout(text))) == (2, 4)
 
 
 def test_shrinks_spelling_to_plain():
     grid = (("E", "t", "t", "t"),) + (("t", "t"),) * 29 + (("m",), ("L",))
     assert find(spellings(grid), lambda s: True, settings=search()) == plain(grid)
-    short = find(spellings(grid), lambda s: len(s) < 20, settings=search(5000))
-    assert parse_layout(short) == [list(s) for s in grid]
+    assert find(spellings(grid), lambda s: "(" in s, settings=search()) == "Et*3(|tt)*29|m|L"

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .. import faults
 from ..config import ModelConfig
 from ..layout import PipelineLayout
 from .common import RMSNorm, rope_cos_sin
@@ -48,10 +49,10 @@ class StageChunk(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layout: PipelineLayout, flat: int, num_microbatches: int,
-                 separate_mtp_embedding: bool = False):
+                 separate_mtp_embedding: bool = False, inject: Optional[str] = None):
         super().__init__()
-        self.cfg, self.flat, self.num_microbatches = cfg, flat, num_microbatches
-        symbols = layout.stages[flat]
+        self.cfg, self.flat, self.num_microbatches, self.inject = cfg, flat, num_microbatches, inject
+        self.symbols = symbols = layout.stages[flat]
         self.has_embedding_input = "E" in symbols
         self.has_mtp = bool(layout.mtp_layer_ids(flat))
         self.has_loss = "L" in symbols
@@ -107,6 +108,7 @@ class StageChunk(nn.Module):
             h, computed = self.decoder.final_layernorm(h), True
         if self.has_mtp:
             embed = self.mtp_embedding if hasattr(self, "mtp_embedding") else self.embedding
+            h = faults.mtp_input(self.inject, self.symbols, h)
             h, computed = self.mtp(h, mb.tokens, embed, cos, sin), True
         if self.has_loss:
             return lm_and_mtp_loss(self.output_layer, h, mb.labels, mb.loss_mask, self.cfg.mtp_num_layers,

@@ -1,0 +1,555 @@
+"""The fp64v1 fingerprint (`reference_impl.fingerprint`) computed on the GPU with Triton kernels.
+
+`fingerprint_device(t)` / `fingerprint_many(tensors)` return exactly `fingerprint.fingerprint(t)` for every
+tensor, bit for bit, without copying tensors to the host: only one 8-byte sum per tensor comes back, and the
+final ``mix(S ^ mix(header))`` is applied on the host with the reference's own numpy `_mix` and `_header`.
+
+How it is computed
+------------------
+Definition: ``S = sum_i mix(x_i ^ mix(i + 1)) mod 2^64`` over the C-order logical index i.  The sum is
+order-free, so each program sums a block of elements with wrapping uint64 adds and adds its block sum to the
+tensor's accumulator with a 64-bit integer ``atomic_add`` (exact, wraps mod 2^64: any order gives the same
+bits).  The accumulators start at zero (one fill kernel per call).
+
+* Contiguous tensors (any dtype of element size 1, 2, 4 or 8; bool, fp8, bf16, fp16, fp32, fp64, ints ...)
+  go through `_contig_kernel`: one launch per (element size, 16-byte alignment, share width G) with a device
+  table of groups; tensors are addressed by their element offset from the launch's first tensor, so no
+  pointer casts are needed and 16-byte vector loads are kept (alignment is asserted with `tl.multiple_of`,
+  only for tensors whose address is 16-byte aligned - the rest go to an unaligned launch).  A typical list of
+  gradients (one dtype, allocator-aligned) costs 1-3 launches + 1 fill, whatever the number of tensors.
+* Index-mix sharing: ``mix(i + 1)`` depends only on the index, so tensors with the same element size and the
+  same numel (the same-shaped weights of every layer / expert) are processed G = 2 or 4 at a time by one
+  program that computes ``mix(i + 1)`` once and applies it to G tensors (`share=`, default 4).
+* Non-contiguous views of up to 4 dims (after merging dims that are contiguous with each other) use
+  `_strided_kernel`: one launch per such tensor, the element address computed in-kernel from the C-order
+  index (integer div/mod per element: slower per element than the contiguous path, but no copy and no extra
+  memory).  More than 4 non-mergeable dims: ``.contiguous()`` first, which costs one extra read + write of the
+  tensor and a temporary of its size (rare: gradients and parameters are contiguous).
+
+Cost and expected bottleneck
+----------------------------
+Per element the definition needs two splitmix64 finalisers (``mix(i+1)`` and ``mix(k_i)``): 6 xor-shifts and
+4 multiplications by 64-bit constants.  GPUs have no 64-bit integer ALU: a 64-bit xor-shift is 2 funnel /
+plain shifts + 2 LOP3 (4 ALU-pipe instructions); a 64x64 -> 64 multiply by a constant is IMAD.WIDE.U32 + 2
+IMAD (3 FMA-pipe instructions).  With the tricks below about 35 SASS instructions per element remain
+(~24 ALU-pipe, ~11-14 FMA-pipe).  An H100/H200 SM issues 4 warp-instructions per clock but each integer pipe
+takes 16 lanes per SM sub-partition, i.e. 64 lane-ops/clk/SM per pipe, so the ALU pipe caps the kernel at
+about 64/24 = 2.7 elements/clk/SM = ~6.5e11 elements/s on 132 SMs at 1.83 GHz: ~2.6 TB/s for 4-byte elements
+(close to the HBM read limit, so fp32 / fp64 should be memory bound) but only ~1.3 TB/s for 2-byte and
+~0.65 TB/s for 1-byte elements, which are integer-issue bound.  The tricks:
+
+* index < 2^32 (`IDX` <= 32, decided per launch): ``i + 1`` is a 32-bit value, so the first multiply is one
+  IMAD.WIDE + one IMAD and the first xor-shift is 32-bit; index < 2^30 (`IDX` == 30, every tensor with fewer
+  than 2^30 - 1 elements): ``(i+1) >> 30 == 0`` and the first xor-shift disappears.
+* element size <= 2: ``x < 2^30`` so ``k ^ (k >> 30) == m' ^ x`` with ``m' = m ^ (m >> 30)``; the first
+  xor-shift of ``mix(k)`` moves to the index side, where it is shared by the G tensors of a group.
+* variant ``"u32"`` (default) writes everything on explicit 32-bit halves so these facts are visible to the
+  compiler; ``"u32mh"`` additionally computes the high-half right shifts as ``umulhi(h, 2^(32-s))`` (FMA
+  pipe instead of ALU pipe) to balance the two integer pipes (~19 + ~19 instead of 24 + 14: ~20% more for
+  the issue-bound dtypes if ptxas keeps the IMAD.HI); ``"u64"`` is the plain uint64 formulation, left to the
+  compiler.  All variants give identical results (tests run all three); `bench/bench_fingerprint_gpu.py`
+  measures them.
+* index-mix sharing (above) removes ~14 of the ~35 instructions per element for all but one of each group.
+
+Launch geometry: ``num_warps`` warps, each thread loads ``vec`` 16-byte vectors per iteration (``SUB``
+elements per iteration), ``nsub`` iterations per program (``BLOCK = nsub * SUB`` indices per program and
+group member); full blocks use unmasked vector loads, only the last block of a tensor is masked.
+
+Without Triton the module still imports (`HAVE_TRITON` is False); the functions then raise
+`TritonUnavailableError` (an ImportError) for CUDA tensors.  CPU tensors are fingerprinted with the
+reference implementation, except under ``TRITON_INTERPRET=1`` (set before this module is imported) where
+they run through the same kernels in Triton's interpreter (that is how the kernels are tested without a GPU).
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from .fingerprint import _header, _mix, fingerprint
+
+try:  # pragma: no cover - depends on the environment
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+VARIANTS = {"u64": (0, False, False), "u32": (1, False, False), "u32mh": (1, True, False),
+            "u32aw": (1, False, True), "u32mhaw": (1, True, True)}   # name -> (MODE, MH, AW)
+DEFAULT = {"variant": "u32", "num_warps": 8, "nsub": 4, "share": 4, "vec": 2}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_GTAB_COLS = 10          # numel, first_item, off0..off3, slot0..slot3
+_MAX_DIMS = 4
+
+
+class TritonUnavailableError(ImportError):
+    """Raised when a CUDA tensor is to be fingerprinted but Triton is not installed."""
+
+
+def available() -> bool:
+    """True when CUDA tensors can be fingerprinted on the device (Triton importable)."""
+    return HAVE_TRITON
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+if HAVE_TRITON:
+
+    @triton.jit
+    def _split(z):
+        return (z >> 32).to(tl.uint32), z.to(tl.uint32)
+
+    @triton.jit
+    def _merge(h, l):
+        return (h.to(tl.uint64) << 32) | l.to(tl.uint64)
+
+    @triton.jit
+    def _xs(h, l, S: tl.constexpr, MH: tl.constexpr, P):
+        """z ^= z >> S on z = h:l (uint32 halves), 0 < S < 32.  MH: the high half's shift as umulhi(h, P) with
+        P = 2^(32-S) passed at run time (so the compiler cannot turn it back into a shift): FMA pipe, not ALU."""
+        nl = l ^ ((l >> S) | (h << (32 - S)))
+        if MH:
+            nh = h ^ tl.umulhi(h, P)
+        else:
+            nh = h ^ (h >> S)
+        return nh, nl
+
+    @triton.jit
+    def _mulc(h, l, CH: tl.constexpr, CL: tl.constexpr):
+        """z *= (CH:CL) mod 2^64 on z = h:l (uint32 halves)."""
+        p = l.to(tl.uint64) * CL
+        nh = (p >> 32).to(tl.uint32) + l * CH + h * CL
+        return nh, p.to(tl.uint32)
+
+    @triton.jit
+    def _mix_tail_u64(z):
+        z = z * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        return z ^ (z >> 31)
+
+    @triton.jit
+    def _tail(h, l, MODE: tl.constexpr, MH: tl.constexpr, P27, P31):
+        """mix after its first xor-shift: * M1, xs27, * M2, xs31."""
+        if MODE == 0:
+            h, l = _split(_mix_tail_u64(_merge(h, l)))
+        else:
+            h, l = _mulc(h, l, 0xBF58476D, 0x1CE4E5B9)
+            h, l = _xs(h, l, 27, MH, P27)
+            h, l = _mulc(h, l, 0x94D049BB, 0x133111EB)
+            h, l = _xs(h, l, 31, MH, P31)
+        return h, l
+
+    @triton.jit
+    def _xs30(h, l, MODE: tl.constexpr, MH: tl.constexpr, P30):
+        if MODE == 0:
+            z = _merge(h, l)
+            h, l = _split(z ^ (z >> 30))
+        else:
+            h, l = _xs(h, l, 30, MH, P30)
+        return h, l
+
+    @triton.jit
+    def _idx_mix(first, offs, IDX: tl.constexpr, PRE30: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr,
+                 P30, P27, P31):
+        """(h, l) = mix(first + offs) (first: int64 scalar = start index + 1), with PRE30 then xor-shifted by 30.
+        IDX: 30 / 32 / 64 = every index + 1 of the launch is < 2^30 / < 2^32 / anything."""
+        if IDX <= 32:
+            l0 = first.to(tl.uint32) + offs.to(tl.uint32)
+            if IDX == 32:
+                l0 = l0 ^ (l0 >> 30)
+            if MODE == 0:
+                h, l = _split(_mix_tail_u64(l0.to(tl.uint64)))
+            else:
+                p = l0.to(tl.uint64) * 0x1CE4E5B9                # (0:l0) * M1: the high half of l0 is 0
+                h = (p >> 32).to(tl.uint32) + l0 * 0xBF58476D
+                h, l = _xs(h, p.to(tl.uint32), 27, MH, P27)
+                h, l = _mulc(h, l, 0x94D049BB, 0x133111EB)
+                h, l = _xs(h, l, 31, MH, P31)
+        else:
+            h, l = _split((first + offs.to(tl.int64)).to(tl.uint64, bitcast=True))
+            h, l = _xs30(h, l, MODE, MH, P30)
+            h, l = _tail(h, l, MODE, MH, P27, P31)
+        if PRE30:
+            h, l = _xs30(h, l, MODE, MH, P30)
+        return h, l
+
+    @triton.jit
+    def _term(mh, ml, x, PRE30: tl.constexpr, ESIZE: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr,
+              P30, P27, P31):
+        """(h, l) = mix(k), k = m ^ x with m = mix(i+1) (PRE30: already xor-shifted by 30, valid for x < 2^30);
+        x: the raw elements as loaded through an uint8 / int16 / int32 / int64 pointer."""
+        if ESIZE == 1:
+            kh, kl = mh, ml ^ x.to(tl.uint32)
+        elif ESIZE == 2:
+            kh, kl = mh, ml ^ x.to(tl.uint16, bitcast=True).to(tl.uint32)
+        elif ESIZE == 4:
+            kh, kl = mh, ml ^ x.to(tl.uint32, bitcast=True)
+        else:
+            xh, xl = _split(x.to(tl.uint64, bitcast=True))
+            kh, kl = mh ^ xh, ml ^ xl
+        if not PRE30:
+            kh, kl = _xs30(kh, kl, MODE, MH, P30)
+        return _tail(kh, kl, MODE, MH, P27, P31)
+
+    @triton.jit
+    def _accumulate(acch, accl, h, l, AW: tl.constexpr, ONE):
+        """acc += h:l.  AW: as accl += l * ONE (IMAD.WIDE.U32 with 64-bit addend) and acch += h * ONE (IMAD),
+        ONE = 1 at run time: FMA pipe instead of the ALU pipe's 64-bit add."""
+        if AW:
+            one = ONE.to(tl.uint32)
+            accl += l.to(tl.uint64) * one.to(tl.uint64)
+            acch += h * one
+        else:
+            accl += _merge(h, l)
+        return acch, accl
+
+    @triton.jit
+    def _member(base, off, s, offs, rem, mh, ml, acch, accl, MASKED: tl.constexpr, ESIZE: tl.constexpr,
+                ALIGNED: tl.constexpr, PRE30: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr,
+                AW: tl.constexpr, P30, P27, P31, ONE):
+        """Load SUB elements of one tensor (element offset off + s from base) and add their terms to acc."""
+        eoff = off + s      # computed here: tl.multiple_of must annotate an op of this function, not an argument
+        if ALIGNED:
+            eoff = tl.multiple_of(eoff, 16 // ESIZE)
+        ptrs = base + eoff + offs
+        if MASKED:
+            x = tl.load(ptrs, mask=offs < rem, other=0)
+        else:
+            x = tl.load(ptrs)
+        h, l = _term(mh, ml, x, PRE30, ESIZE, MODE, MH, P30, P27, P31)
+        if MASKED:
+            h = tl.where(offs < rem, h, 0)
+            l = tl.where(offs < rem, l, 0)
+        return _accumulate(acch, accl, h, l, AW, ONE)
+
+    @triton.jit
+    def _contig_body(base, numel, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3,
+                     P30, P27, P31, ONE, MASKED: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                     SUB: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr, MODE: tl.constexpr,
+                     MH: tl.constexpr, AW: tl.constexpr, ALIGNED: tl.constexpr):
+        PRE30: tl.constexpr = ESIZE <= 2
+        for it in range(0, BLOCK, SUB):
+            s = blk + it
+            rem = numel - s
+            mh, ml = _idx_mix(s + 1, offs, IDX, PRE30, MODE, MH, P30, P27, P31)
+            h0, l0 = _member(base, off0, s, offs, rem, mh, ml, h0, l0, MASKED, ESIZE, ALIGNED, PRE30, MODE, MH,
+                             AW, P30, P27, P31, ONE)
+            if G >= 2:
+                h1, l1 = _member(base, off1, s, offs, rem, mh, ml, h1, l1, MASKED, ESIZE, ALIGNED, PRE30, MODE,
+                                 MH, AW, P30, P27, P31, ONE)
+            if G >= 4:
+                h2, l2 = _member(base, off2, s, offs, rem, mh, ml, h2, l2, MASKED, ESIZE, ALIGNED, PRE30, MODE,
+                                 MH, AW, P30, P27, P31, ONE)
+                h3, l3 = _member(base, off3, s, offs, rem, mh, ml, h3, l3, MASKED, ESIZE, ALIGNED, PRE30, MODE,
+                                 MH, AW, P30, P27, P31, ONE)
+        return h0, l0, h1, l1, h2, l2, h3, l3
+
+    @triton.jit
+    def _flush(sums, slot_ptr, acch, accl):
+        """sums[slot] += sum(accl) + (sum(acch) << 32)  (int64 atomic add, wraps mod 2^64 like uint64)."""
+        total = tl.sum(accl, axis=0) + (tl.sum(acch, axis=0).to(tl.uint64) << 32)
+        tl.atomic_add(sums + tl.load(slot_ptr), total.to(tl.int64, bitcast=True), sem="relaxed")
+
+    @triton.jit(do_not_specialize=["P30", "P27", "P31", "ONE"])
+    def _contig_kernel(base, items, gtab, sums, P30, P27, P31, ONE, G: tl.constexpr, BLOCK: tl.constexpr,
+                       SUB: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr, MODE: tl.constexpr,
+                       MH: tl.constexpr, AW: tl.constexpr, ALIGNED: tl.constexpr):
+        """One program = BLOCK indices of the G same-sized tensors of one group.
+        items[pid] = group row; gtab row = numel, first item of the group, G element offsets from `base`,
+        G accumulator slots.  Adds each tensor's block sum to sums[slot] (int64 atomics, wrap mod 2^64).
+        P30, P27, P31 = 4, 32, 2 and ONE = 1 (run-time values, see _xs and _accumulate)."""
+        pid = tl.program_id(0)
+        row = gtab + tl.load(items + pid) * 10
+        numel = tl.load(row)
+        blk = (pid - tl.load(row + 1)) * BLOCK
+        off0 = tl.load(row + 2)
+        off1 = off0
+        off2 = off0
+        off3 = off0
+        if G >= 2:
+            off1 = tl.load(row + 3)
+        if G >= 4:
+            off2 = tl.load(row + 4)
+            off3 = tl.load(row + 5)
+        offs = tl.arange(0, SUB)
+        h0 = tl.zeros([SUB], dtype=tl.uint32)
+        l0 = tl.zeros([SUB], dtype=tl.uint64)
+        h1, l1, h2, l2, h3, l3 = h0, l0, h0, l0, h0, l0
+        if blk + BLOCK <= numel:
+            h0, l0, h1, l1, h2, l2, h3, l3 = _contig_body(
+                base, numel, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31,
+                ONE, False, G, BLOCK, SUB, ESIZE, IDX, MODE, MH, AW, ALIGNED)
+        else:
+            h0, l0, h1, l1, h2, l2, h3, l3 = _contig_body(
+                base, numel, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31,
+                ONE, True, G, BLOCK, SUB, ESIZE, IDX, MODE, MH, AW, ALIGNED)
+        _flush(sums, row + 6, h0, l0)
+        if G >= 2:
+            _flush(sums, row + 7, h1, l1)
+        if G >= 4:
+            _flush(sums, row + 8, h2, l2)
+            _flush(sums, row + 9, h3, l3)
+
+    @triton.jit(do_not_specialize=["P30", "P27", "P31", "ONE"])
+    def _strided_kernel(ptr, sums, slot, numel, n1, n2, n3, s0, s1, s2, s3, P30, P27, P31, ONE,
+                        BLOCK: tl.constexpr, SUB: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr,
+                        MODE: tl.constexpr, MH: tl.constexpr, AW: tl.constexpr, ADDR32: tl.constexpr):
+        """A non-contiguous view of <= 4 dims (sizes n0..n3, element strides s0..s3, C-order index i)."""
+        PRE30: tl.constexpr = ESIZE <= 2
+        blk = tl.program_id(0).to(tl.int64) * BLOCK
+        offs = tl.arange(0, SUB)
+        acch = tl.zeros([SUB], dtype=tl.uint32)
+        accl = tl.zeros([SUB], dtype=tl.uint64)
+        for it in range(0, BLOCK, SUB):
+            s = blk + it
+            mask = offs < numel - s
+            if ADDR32:
+                i = s.to(tl.int32) + offs
+            else:
+                i = s + offs.to(tl.int64)
+            i3 = i % n3
+            r = i // n3
+            i2 = r % n2
+            r = r // n2
+            i1 = r % n1
+            i0 = r // n1
+            x = tl.load(ptr + (i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3), mask=mask, other=0)
+            mh, ml = _idx_mix(s + 1, offs, IDX, PRE30, MODE, MH, P30, P27, P31)
+            h, l = _term(mh, ml, x, PRE30, ESIZE, MODE, MH, P30, P27, P31)
+            acch, accl = _accumulate(acch, accl, tl.where(mask, h, 0), tl.where(mask, l, 0), AW, ONE)
+        total = tl.sum(accl, axis=0) + (tl.sum(acch, axis=0).to(tl.uint64) << 32)
+        tl.atomic_add(sums + slot, total.to(tl.int64, bitcast=True), sem="relaxed")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# host side: plans (tables), launches, final mix
+# ----------------------------------------------------------------------------------------------------------
+def _collapse(t: torch.Tensor):
+    """(sizes, strides) of `t` with size-1 dims dropped and mergeable neighbours merged (C order)."""
+    dims = [(n, s) for n, s in zip(t.shape, t.stride()) if n != 1]
+    out: list = []
+    for n, s in dims:
+        if out and out[-1][1] == s * n:
+            out[-1] = (out[-1][0] * n, s)
+        else:
+            out.append((n, s))
+    return out
+
+
+def _idx_class(max_numel: int) -> int:
+    if max_numel < (1 << 30):
+        return 30
+    if max_numel < (1 << 32):
+        return 32
+    return 64
+
+
+def _geometry(esize: int, g: int, cfg: dict) -> tuple[int, int]:
+    """(SUB, BLOCK) for a launch: SUB = num_warps * 32 threads * (16 // esize) elements * vectors/thread."""
+    vec = cfg["vec"] if g == 1 else 1
+    sub = cfg["num_warps"] * 32 * (16 // esize) * vec
+    return sub, sub * cfg["nsub"]
+
+
+class _Plan:
+    """Device tables and launch list for one list of tensors (cached: the same gradients every step)."""
+
+    def __init__(self, metas, device, cfg):
+        self.n = len(metas)
+        self.hmix = _mix(np.array([_header(m["dtype"], m["shape"]) for m in metas], dtype=np.uint64))
+        self.launches: list = []      # ("contig", base, esize, G, aligned, idx, sub, block, gofs, iofs, nitems)
+                                      # or ("strided", j, sizes4, strides4, esize, idx, addr32, sub, block)
+        self.strided: list = []       # indices of non-contiguous tensors (<= 4 dims after merging)
+        self.copies: list = []        # tensor indices fingerprinted through .contiguous() (> 4 dims)
+        groups: "OrderedDict[tuple, list]" = OrderedDict()
+        for j, m in enumerate(metas):
+            if m["numel"] == 0:
+                continue
+            if m["contig"] is None:
+                self.copies.append(j)
+                continue
+            if m["contig"]:
+                aligned = m["ptr"] % 16 == 0
+                groups.setdefault((m["esize"], aligned, m["numel"]), []).append(j)
+            else:
+                self.strided.append(j)
+        # group chunks by launch key (esize, aligned, G)
+        share = max(1, int(cfg["share"]))
+        by_launch: "OrderedDict[tuple, list]" = OrderedDict()
+        for (esize, aligned, numel), members in groups.items():
+            rest = members
+            for g in (4, 2, 1):
+                if g > share:
+                    continue
+                while len(rest) >= g:
+                    by_launch.setdefault((esize, aligned, g), []).append((numel, rest[:g]))
+                    rest = rest[g:]
+        gtab_rows: list = []
+        items: list = []
+        for (esize, aligned, g), chunks in by_launch.items():
+            base = chunks[0][1][0]
+            base_ptr = metas[base]["ptr"]
+            sub, block = _geometry(esize, g, cfg)
+            gofs, iofs = len(gtab_rows), len(items)
+            for numel, members in chunks:
+                row = [numel, len(items) - iofs] + [0] * 8
+                for q, j in enumerate(members):
+                    delta = metas[j]["ptr"] - base_ptr
+                    assert delta % esize == 0, "element-misaligned tensor"
+                    row[2 + q] = delta // esize
+                    row[6 + q] = j
+                nblk = -(-numel // block)
+                items.extend([len(gtab_rows) - gofs] * nblk)
+                gtab_rows.append(row)
+            idx = _idx_class(max(n for n, _ in chunks))
+            self.launches.append(("contig", base, esize, g, aligned, idx, sub, block, gofs, iofs,
+                                  len(items) - iofs))
+        table = np.zeros(len(gtab_rows) * _GTAB_COLS + len(items), dtype=np.int64)
+        if gtab_rows:
+            table[:len(gtab_rows) * _GTAB_COLS] = np.asarray(gtab_rows, dtype=np.int64).reshape(-1)
+            table[len(gtab_rows) * _GTAB_COLS:] = np.asarray(items, dtype=np.int64)
+        self.items_at = len(gtab_rows) * _GTAB_COLS
+        self.table = torch.from_numpy(table).to(device)
+        for j in self.strided:
+            m = metas[j]
+            dims = [(1, 0)] * (_MAX_DIMS - len(m["dims"])) + list(m["dims"])
+            sizes = [n for n, _ in dims]
+            strides = [s for _, s in dims]
+            span = sum((n - 1) * s for n, s in dims)
+            addr32 = m["numel"] < (1 << 31) and span < (1 << 31)
+            sub, block = _geometry(m["esize"], 1, cfg)
+            self.launches.append(("strided", j, sizes, strides, m["esize"], _idx_class(m["numel"]), addr32, sub,
+                                  block))
+
+
+_PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_PLAN_CACHE_SIZE = 8
+
+
+def _meta(t: torch.Tensor) -> dict:
+    esize = t.element_size()
+    if esize not in _INT_VIEW:
+        raise TypeError(f"fingerprint: unsupported element size {esize} bytes ({t.dtype})")
+    dims = None
+    contig: "bool | None" = t.is_contiguous()
+    if not contig:
+        dims = _collapse(t)
+        if len(dims) <= 1 and (not dims or dims[0][1] == 1):
+            contig = True          # e.g. a column slice of size 1: contiguous in all but name
+        elif len(dims) > _MAX_DIMS:
+            contig = None
+    return {"esize": esize, "numel": t.numel(), "contig": contig, "dims": dims, "ptr": t.data_ptr(),
+            "dtype": t.dtype, "shape": tuple(t.shape)}
+
+
+def _key(metas, device, cfg) -> tuple:
+    return (str(device), tuple(sorted(cfg.items())),
+            tuple((m["esize"], m["numel"], m["contig"], tuple(m["dims"] or ()), m["ptr"], str(m["dtype"]),
+                   m["shape"]) for m in metas))
+
+
+def _cfg(overrides: dict) -> dict:
+    cfg = dict(DEFAULT)
+    for k, v in overrides.items():
+        if k not in cfg:
+            raise TypeError(f"unknown option {k!r} (known: {sorted(cfg)})")
+        if v is not None:
+            cfg[k] = v
+    if cfg["variant"] not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}")
+    if cfg["share"] not in (1, 2, 4):
+        raise ValueError("share must be 1, 2 or 4")
+    return cfg
+
+
+def _device_sums(tensors: list, cfg: dict) -> np.ndarray:
+    """S (uint64 array) for tensors that all live on one device, computed by the kernels."""
+    device = tensors[0].device
+    metas = [_meta(t) for t in tensors]
+    key = _key(metas, device, cfg)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _Plan(metas, device, cfg)
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    mode, mh, aw = VARIANTS[cfg["variant"]]
+    rt = (4, 32, 2, 1)     # P30, P27, P31, ONE
+    nw = cfg["num_warps"]
+    sums = torch.zeros(len(tensors), dtype=torch.int64, device=device)
+    table = plan.table
+    items = table[plan.items_at:]
+    for launch in plan.launches:
+        if launch[0] == "strided":
+            _, j, sizes, strides, esize, idx, addr32, sub, block = launch
+            t = tensors[j].detach().view(_INT_VIEW[esize])
+            grid = (-(-t.numel() // block),)
+            _strided_kernel[grid](t, sums, j, t.numel(), sizes[1], sizes[2], sizes[3], strides[0], strides[1],
+                                  strides[2], strides[3], *rt, BLOCK=block, SUB=sub, ESIZE=esize,
+                                  IDX=idx, MODE=mode, MH=mh, AW=aw, ADDR32=addr32, num_warps=nw)
+            continue
+        _, base, esize, g, aligned, idx, sub, block, gofs, iofs, nitems = launch
+        base_t = tensors[base].detach().view(_INT_VIEW[esize])
+        _contig_kernel[(nitems,)](base_t, items[iofs:], table[gofs * _GTAB_COLS:], sums, *rt, G=g,
+                                  BLOCK=block, SUB=sub, ESIZE=esize, IDX=idx, MODE=mode, MH=mh, AW=aw,
+                                  ALIGNED=aligned, num_warps=nw)
+    out = sums.cpu().numpy().view(np.uint64).copy()
+    for j in plan.copies:   # > 4 non-mergeable dims: one contiguous copy, then the contiguous path
+        out[j] = _device_sums([tensors[j].contiguous()], cfg)[0]
+    return out, plan.hmix
+
+
+def fingerprint_many(tensors, **options) -> list[int]:
+    """`fingerprint.fingerprint` of every tensor of `tensors`, computed on their device in a few launches.
+
+    CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run through the Triton kernels: one fill +
+    one launch per (element size, alignment, share width) for all contiguous tensors + one per non-contiguous
+    view; only 8 bytes per tensor are copied back.  Other CPU tensors use the reference implementation.
+    options: variant ("u32", "u32mh", "u64"), num_warps, nsub, vec, share (1, 2 or 4) - all give the same
+    values; they only change speed.
+    """
+    cfg = _cfg(options)
+    tensors = [t.detach() for t in tensors]
+    result: list = [None] * len(tensors)
+    by_device: "OrderedDict[torch.device, list]" = OrderedDict()
+    for j, t in enumerate(tensors):
+        if t.device.type == "cuda" or (t.device.type == "cpu" and INTERPRET and HAVE_TRITON):
+            by_device.setdefault(t.device, []).append(j)
+        elif t.device.type == "cpu":
+            result[j] = fingerprint(t)
+        else:
+            raise ValueError(f"fingerprint_many: unsupported device {t.device}")
+    for device, idxs in by_device.items():
+        if not HAVE_TRITON:
+            raise TritonUnavailableError("fingerprinting CUDA tensors on the device needs Triton "
+                                         "(pip install triton); reference_impl.fingerprint works on the host")
+        sums, hmix = _device_sums([tensors[j] for j in idxs], cfg)
+        with np.errstate(over="ignore"):
+            fps = _mix(sums ^ hmix)
+        for j, v in zip(idxs, fps.tolist()):
+            result[j] = int(v)
+    return result
+
+
+def fingerprint_device(t: torch.Tensor, **options) -> int:
+    """`fingerprint.fingerprint(t)` computed on t's device (see `fingerprint_many`)."""
+    return fingerprint_many([t], **options)[0]
+
+
+def fingerprint_hex_device(t: torch.Tensor, **options) -> str:
+    """`fingerprint.fingerprint_hex(t)`: 16 lowercase hex digits, computed on the device."""
+    return f"{fingerprint_device(t, **options):016x}"
+
+
+def fingerprint_hex_many_device(tensors, **options) -> list[str]:
+    """`fingerprint_many` as 16-hex-digit strings."""
+    return [f"{v:016x}" for v in fingerprint_many(tensors, **options)]
