@@ -7,7 +7,10 @@ ARGS    ?=
 BIN      = $(VENV)/bin
 STAMP    = $(VENV)/.bitparity-installed
 
-.PHONY: verify test bench venv clean
+CASE    ?= cases/smoke.yaml
+BUDGET  ?= 10m
+
+.PHONY: verify test bench bench-gpu fuzz venv clean
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -26,7 +29,18 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: $(STAMP)
+	$(BIN)/python bench/bench_fuzz.py
 	$(BIN)/python bench/bench_verify.py $(ARGS)
+
+# the long hypothesis profile for the layout properties, then random layouts against CASE's baseline
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q tests/test_strategies.py
+	$(BIN)/bitparity fuzz $(CASE) --budget $(BUDGET) $(ARGS)
+
+# on a CUDA machine (torch with CUDA and Triton): fingerprint kernel and capture-overhead benchmarks
+bench-gpu:
+	python3 bench/bench_fingerprint_gpu.py
+	python3 bench/bench_gpu_capture.py
 
 clean:
 	rm -rf $(VENV) reports/*/

@@ -82,7 +82,7 @@ except ImportError:  # pragma: no cover
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 VARIANTS = {"u64": (0, False, False), "u32": (1, False, False), "u32mh": (1, True, False),
             "u32aw": (1, False, True), "u32mhaw": (1, True, True)}   # name -> (MODE, MH, AW)
-DEFAULT = {"variant": "u32", "num_warps": 8, "nsub": 4, "share": 4, "vec": 2}
+DEFAULT = {"variant": "u32", "num_warps": 8, "nsub": 4, "share": 4, "ept": 16, "ept_shared": 8}
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GTAB_COLS = 10          # numel, first_item, off0..off3, slot0..slot3
 _MAX_DIMS = 4
@@ -211,18 +211,19 @@ if HAVE_TRITON:
         return acch, accl
 
     @triton.jit
-    def _member(base, off, s, offs, rem, mh, ml, acch, accl, MASKED: tl.constexpr, ESIZE: tl.constexpr,
-                ALIGNED: tl.constexpr, PRE30: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr,
-                AW: tl.constexpr, P30, P27, P31, ONE):
-        """Load SUB elements of one tensor (element offset off + s from base) and add their terms to acc."""
+    def _load(base, off, s, offs, rem, MASKED: tl.constexpr, ESIZE: tl.constexpr, ALIGNED: tl.constexpr):
+        """SUB raw elements of one tensor: element offset off + s from `base`."""
         eoff = off + s      # computed here: tl.multiple_of must annotate an op of this function, not an argument
         if ALIGNED:
             eoff = tl.multiple_of(eoff, 16 // ESIZE)
-        ptrs = base + eoff + offs
         if MASKED:
-            x = tl.load(ptrs, mask=offs < rem, other=0)
+            return tl.load(base + eoff + offs, mask=offs < rem, other=0)
         else:
-            x = tl.load(ptrs)
+            return tl.load(base + eoff + offs)
+
+    @triton.jit
+    def _consume(x, mh, ml, acch, accl, offs, rem, MASKED: tl.constexpr, ESIZE: tl.constexpr,
+                 PRE30: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr, AW: tl.constexpr, P30, P27, P31, ONE):
         h, l = _term(mh, ml, x, PRE30, ESIZE, MODE, MH, P30, P27, P31)
         if MASKED:
             h = tl.where(offs < rem, h, 0)
@@ -230,25 +231,78 @@ if HAVE_TRITON:
         return _accumulate(acch, accl, h, l, AW, ONE)
 
     @triton.jit
-    def _contig_body(base, numel, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3,
-                     P30, P27, P31, ONE, MASKED: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
-                     SUB: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr, MODE: tl.constexpr,
-                     MH: tl.constexpr, AW: tl.constexpr, ALIGNED: tl.constexpr):
+    def _step(x0, x1, x2, x3, s, offs, rem, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31, ONE,
+              MASKED: tl.constexpr, G: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr, MODE: tl.constexpr,
+              MH: tl.constexpr, AW: tl.constexpr):
+        """Add the terms of indices s + offs of the G loaded tensors x0..x3 (mix(i+1) computed once)."""
         PRE30: tl.constexpr = ESIZE <= 2
+        mh, ml = _idx_mix(s + 1, offs, IDX, PRE30, MODE, MH, P30, P27, P31)
+        h0, l0 = _consume(x0, mh, ml, h0, l0, offs, rem, MASKED, ESIZE, PRE30, MODE, MH, AW, P30, P27, P31, ONE)
+        if G >= 2:
+            h1, l1 = _consume(x1, mh, ml, h1, l1, offs, rem, MASKED, ESIZE, PRE30, MODE, MH, AW, P30, P27, P31,
+                              ONE)
+        if G >= 4:
+            h2, l2 = _consume(x2, mh, ml, h2, l2, offs, rem, MASKED, ESIZE, PRE30, MODE, MH, AW, P30, P27, P31,
+                              ONE)
+            h3, l3 = _consume(x3, mh, ml, h3, l3, offs, rem, MASKED, ESIZE, PRE30, MODE, MH, AW, P30, P27, P31,
+                              ONE)
+        return h0, l0, h1, l1, h2, l2, h3, l3
+
+    @triton.jit
+    def _contig_full(base, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31, ONE,
+                     G: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, ESIZE: tl.constexpr,
+                     IDX: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr, AW: tl.constexpr,
+                     ALIGNED: tl.constexpr):
+        """A full block: unmasked vector loads, software-pipelined (sub-block k+1 is loaded before sub-block k
+        is hashed, so memory latency overlaps the integer work)."""
+        x0 = _load(base, off0, blk, offs, 0, False, ESIZE, ALIGNED)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+        if G >= 2:
+            x1 = _load(base, off1, blk, offs, 0, False, ESIZE, ALIGNED)
+        if G >= 4:
+            x2 = _load(base, off2, blk, offs, 0, False, ESIZE, ALIGNED)
+            x3 = _load(base, off3, blk, offs, 0, False, ESIZE, ALIGNED)
+        for it in range(SUB, BLOCK, SUB):
+            s = blk + it
+            n0 = _load(base, off0, s, offs, 0, False, ESIZE, ALIGNED)
+            if G >= 2:
+                n1 = _load(base, off1, s, offs, 0, False, ESIZE, ALIGNED)
+            if G >= 4:
+                n2 = _load(base, off2, s, offs, 0, False, ESIZE, ALIGNED)
+                n3 = _load(base, off3, s, offs, 0, False, ESIZE, ALIGNED)
+            h0, l0, h1, l1, h2, l2, h3, l3 = _step(x0, x1, x2, x3, s - SUB, offs, 0, h0, l0, h1, l1, h2, l2, h3,
+                                                   l3, P30, P27, P31, ONE, False, G, ESIZE, IDX, MODE, MH, AW)
+            x0 = n0
+            if G >= 2:
+                x1 = n1
+            if G >= 4:
+                x2 = n2
+                x3 = n3
+        return _step(x0, x1, x2, x3, blk + (BLOCK - SUB), offs, 0, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31,
+                     ONE, False, G, ESIZE, IDX, MODE, MH, AW)
+
+    @triton.jit
+    def _contig_tail(base, numel, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27,
+                     P31, ONE, G: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, ESIZE: tl.constexpr,
+                     IDX: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr, AW: tl.constexpr,
+                     ALIGNED: tl.constexpr):
+        """The last, partial block of a group: masked loads, terms of indices >= numel zeroed."""
         for it in range(0, BLOCK, SUB):
             s = blk + it
             rem = numel - s
-            mh, ml = _idx_mix(s + 1, offs, IDX, PRE30, MODE, MH, P30, P27, P31)
-            h0, l0 = _member(base, off0, s, offs, rem, mh, ml, h0, l0, MASKED, ESIZE, ALIGNED, PRE30, MODE, MH,
-                             AW, P30, P27, P31, ONE)
+            x0 = _load(base, off0, s, offs, rem, True, ESIZE, ALIGNED)
+            x1 = x0
+            x2 = x0
+            x3 = x0
             if G >= 2:
-                h1, l1 = _member(base, off1, s, offs, rem, mh, ml, h1, l1, MASKED, ESIZE, ALIGNED, PRE30, MODE,
-                                 MH, AW, P30, P27, P31, ONE)
+                x1 = _load(base, off1, s, offs, rem, True, ESIZE, ALIGNED)
             if G >= 4:
-                h2, l2 = _member(base, off2, s, offs, rem, mh, ml, h2, l2, MASKED, ESIZE, ALIGNED, PRE30, MODE,
-                                 MH, AW, P30, P27, P31, ONE)
-                h3, l3 = _member(base, off3, s, offs, rem, mh, ml, h3, l3, MASKED, ESIZE, ALIGNED, PRE30, MODE,
-                                 MH, AW, P30, P27, P31, ONE)
+                x2 = _load(base, off2, s, offs, rem, True, ESIZE, ALIGNED)
+                x3 = _load(base, off3, s, offs, rem, True, ESIZE, ALIGNED)
+            h0, l0, h1, l1, h2, l2, h3, l3 = _step(x0, x1, x2, x3, s, offs, rem, h0, l0, h1, l1, h2, l2, h3, l3,
+                                                   P30, P27, P31, ONE, True, G, ESIZE, IDX, MODE, MH, AW)
         return h0, l0, h1, l1, h2, l2, h3, l3
 
     @triton.jit
@@ -283,13 +337,13 @@ if HAVE_TRITON:
         l0 = tl.zeros([SUB], dtype=tl.uint64)
         h1, l1, h2, l2, h3, l3 = h0, l0, h0, l0, h0, l0
         if blk + BLOCK <= numel:
-            h0, l0, h1, l1, h2, l2, h3, l3 = _contig_body(
-                base, numel, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31,
-                ONE, False, G, BLOCK, SUB, ESIZE, IDX, MODE, MH, AW, ALIGNED)
+            h0, l0, h1, l1, h2, l2, h3, l3 = _contig_full(
+                base, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31, ONE,
+                G, BLOCK, SUB, ESIZE, IDX, MODE, MH, AW, ALIGNED)
         else:
-            h0, l0, h1, l1, h2, l2, h3, l3 = _contig_body(
+            h0, l0, h1, l1, h2, l2, h3, l3 = _contig_tail(
                 base, numel, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31,
-                ONE, True, G, BLOCK, SUB, ESIZE, IDX, MODE, MH, AW, ALIGNED)
+                ONE, G, BLOCK, SUB, ESIZE, IDX, MODE, MH, AW, ALIGNED)
         _flush(sums, row + 6, h0, l0)
         if G >= 2:
             _flush(sums, row + 7, h1, l1)
@@ -352,9 +406,11 @@ def _idx_class(max_numel: int) -> int:
 
 
 def _geometry(esize: int, g: int, cfg: dict) -> tuple[int, int]:
-    """(SUB, BLOCK) for a launch: SUB = num_warps * 32 threads * (16 // esize) elements * vectors/thread."""
-    vec = cfg["vec"] if g == 1 else 1
-    sub = cfg["num_warps"] * 32 * (16 // esize) * vec
+    """(SUB, BLOCK) of a launch: SUB = num_warps * 32 threads * elements per thread per iteration (`ept` for
+    unshared tensors, `ept_shared` per tensor for groups of G > 1; at least one 16-byte vector);
+    BLOCK = nsub * SUB indices per program."""
+    ept = max(cfg["ept"] if g == 1 else cfg["ept_shared"], 16 // esize)
+    sub = cfg["num_warps"] * 32 * ept
     return sub, sub * cfg["nsub"]
 
 
