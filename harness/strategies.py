@@ -231,7 +231,8 @@ def stage_grids(num_layers: int, mtp_num_layers: int, pp: SizeArg = None, vpp: S
       ``config.mtp_standalone``, needs P >= 3) or ``"with_loss"`` (MTP in the loss stage).
     * ``allow_displaced_ends``: also place empty stages before E's stage or after L's stage (``"|E|t|L"``,
       ``"E|tm|L|"``). Megatron's validator accepts them (it checks E/L positions in flattened order only), but
-      pre/post-processing follows the stage position, so the reference trainer cannot run them; off by default.
+      its pre/post-processing follows the stage position, and the reference trainer's ``StageChunk`` expects
+      the first stage to embed and the last to compute the loss; off by default.
 
     Shrinks toward few stages (P = 1, V = 1), MTP with the loss, E and L in the first and last stage, and
     decoder layers packed together.
@@ -362,9 +363,11 @@ def spellings(grid, *, megatron_compatible: bool = False, commas: bool = True,
     ``max_depth`` (``((t|)*2t|)*2``) and, if ``commas``, cosmetic commas at item boundaries.
 
     ``megatron_compatible=True`` keeps to what Megatron's regex expansion (``parse_str_to_list``) handles: no
-    nested groups and no bare groups (every group carries ``*n``); counts are never 0 and never chained.
-    ``grid``: a sequence of stages, each a sequence (or string) of symbols; the string itself has no
-    whitespace, so it also round-trips through Megatron's parser in compatible mode.
+    nested groups and no bare groups (every group carries ``*n``); counts are never 0 and never chained, so the
+    text expands to the same grid under Megatron's parser (checked against a re-implementation of its regex
+    steps in tests/test_strategies.py).
+    ``grid``: a non-empty sequence of stages, each a sequence (or string) of symbols E, t, m, L; any grid works,
+    valid layout or not.
     """
     s = _grid_string(grid)
     _check_count("max_depth", max_depth, 1)

@@ -80,9 +80,10 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-VARIANTS = {"u64": (0, False, False), "u32": (1, False, False), "u32mh": (1, True, False),
-            "u32aw": (1, False, True), "u32mhaw": (1, True, True)}   # name -> (MODE, MH, AW)
-DEFAULT = {"variant": "u32", "num_warps": 8, "nsub": 4, "share": 4, "ept": 16, "ept_shared": 8}
+# name -> (MODE, MH): MODE 0 = uint64 code, 1 = explicit 32-bit halves; MH bit 0 / bit 1 = the high-half
+# right shifts of the index-side / data-side mix as IMAD.HI (FMA pipe) instead of SHF (ALU pipe)
+VARIANTS = {"u64": (0, 0), "u32": (1, 0), "u32mhi": (1, 1), "u32mht": (1, 2), "u32mh": (1, 3)}
+DEFAULT = {"variant": "u32", "num_warps": 8, "nsub": 4, "share": 4, "ept": 16, "ept_shared": 4}
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GTAB_COLS = 10          # numel, first_item, off0..off3, slot0..slot3
 _MAX_DIMS = 4
@@ -113,7 +114,8 @@ if HAVE_TRITON:
     @triton.jit
     def _xs(h, l, S: tl.constexpr, MH: tl.constexpr, P):
         """z ^= z >> S on z = h:l (uint32 halves), 0 < S < 32.  MH: the high half's shift as umulhi(h, P) with
-        P = 2^(32-S) passed at run time (so the compiler cannot turn it back into a shift): FMA pipe, not ALU."""
+        P = 2^(32-S) passed at run time (so the compiler cannot turn it back into a shift): IMAD.HI on the FMA
+        pipe instead of SHF on the ALU pipe."""
         nl = l ^ ((l >> S) | (h << (32 - S)))
         if MH:
             nh = h ^ tl.umulhi(h, P)
@@ -135,8 +137,18 @@ if HAVE_TRITON:
         return z ^ (z >> 31)
 
     @triton.jit
+    def _xs30(h, l, MODE: tl.constexpr, MH: tl.constexpr, P30):
+        """The first step of mix: z ^= z >> 30."""
+        if MODE == 0:
+            z = _merge(h, l)
+            h, l = _split(z ^ (z >> 30))
+        else:
+            h, l = _xs(h, l, 30, MH, P30)
+        return h, l
+
+    @triton.jit
     def _tail(h, l, MODE: tl.constexpr, MH: tl.constexpr, P27, P31):
-        """mix after its first xor-shift: * M1, xs27, * M2, xs31."""
+        """The rest of mix: * M1, xs27, * M2, xs31."""
         if MODE == 0:
             h, l = _split(_mix_tail_u64(_merge(h, l)))
         else:
@@ -144,15 +156,6 @@ if HAVE_TRITON:
             h, l = _xs(h, l, 27, MH, P27)
             h, l = _mulc(h, l, 0x94D049BB, 0x133111EB)
             h, l = _xs(h, l, 31, MH, P31)
-        return h, l
-
-    @triton.jit
-    def _xs30(h, l, MODE: tl.constexpr, MH: tl.constexpr, P30):
-        if MODE == 0:
-            z = _merge(h, l)
-            h, l = _split(z ^ (z >> 30))
-        else:
-            h, l = _xs(h, l, 30, MH, P30)
         return h, l
 
     @triton.jit
@@ -183,8 +186,8 @@ if HAVE_TRITON:
     @triton.jit
     def _term(mh, ml, x, PRE30: tl.constexpr, ESIZE: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr,
               P30, P27, P31):
-        """(h, l) = mix(k), k = m ^ x with m = mix(i+1) (PRE30: already xor-shifted by 30, valid for x < 2^30);
-        x: the raw elements as loaded through an uint8 / int16 / int32 / int64 pointer."""
+        """mix(k) as uint64, k = m ^ x with (mh, ml) = mix(i+1) (PRE30: already xor-shifted by 30, valid for
+        x < 2^30); x: the raw elements as loaded through an uint8 / int16 / int32 / int64 pointer."""
         if ESIZE == 1:
             kh, kl = mh, ml ^ x.to(tl.uint32)
         elif ESIZE == 2:
@@ -196,19 +199,8 @@ if HAVE_TRITON:
             kh, kl = mh ^ xh, ml ^ xl
         if not PRE30:
             kh, kl = _xs30(kh, kl, MODE, MH, P30)
-        return _tail(kh, kl, MODE, MH, P27, P31)
-
-    @triton.jit
-    def _accumulate(acch, accl, h, l, AW: tl.constexpr, ONE):
-        """acc += h:l.  AW: as accl += l * ONE (IMAD.WIDE.U32 with 64-bit addend) and acch += h * ONE (IMAD),
-        ONE = 1 at run time: FMA pipe instead of the ALU pipe's 64-bit add."""
-        if AW:
-            one = ONE.to(tl.uint32)
-            accl += l.to(tl.uint64) * one.to(tl.uint64)
-            acch += h * one
-        else:
-            accl += _merge(h, l)
-        return acch, accl
+        kh, kl = _tail(kh, kl, MODE, MH, P27, P31)
+        return _merge(kh, kl)
 
     @triton.jit
     def _load(base, off, s, offs, rem, MASKED: tl.constexpr, ESIZE: tl.constexpr, ALIGNED: tl.constexpr):
@@ -222,37 +214,37 @@ if HAVE_TRITON:
             return tl.load(base + eoff + offs)
 
     @triton.jit
-    def _consume(x, mh, ml, acch, accl, offs, rem, MASKED: tl.constexpr, ESIZE: tl.constexpr,
-                 PRE30: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr, AW: tl.constexpr, P30, P27, P31, ONE):
-        h, l = _term(mh, ml, x, PRE30, ESIZE, MODE, MH, P30, P27, P31)
-        if MASKED:
-            h = tl.where(offs < rem, h, 0)
-            l = tl.where(offs < rem, l, 0)
-        return _accumulate(acch, accl, h, l, AW, ONE)
-
-    @triton.jit
-    def _step(x0, x1, x2, x3, s, offs, rem, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31, ONE,
-              MASKED: tl.constexpr, G: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr, MODE: tl.constexpr,
-              MH: tl.constexpr, AW: tl.constexpr):
-        """Add the terms of indices s + offs of the G loaded tensors x0..x3 (mix(i+1) computed once)."""
+    def _step(x0, x1, x2, x3, s, offs, rem, a0, a1, a2, a3, P30, P27, P31, MASKED: tl.constexpr, G: tl.constexpr,
+              ESIZE: tl.constexpr, IDX: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr):
+        """a_q += mix(x_q ^ mix(i + 1)) for indices i = s + offs of the G loaded tensors x0..x3; mix(i + 1) is
+        computed once for all of them.  MH bit 0: IMAD.HI shifts on the index side, bit 1: on the data side."""
         PRE30: tl.constexpr = ESIZE <= 2
-        mh, ml = _idx_mix(s + 1, offs, IDX, PRE30, MODE, MH, P30, P27, P31)
-        h0, l0 = _consume(x0, mh, ml, h0, l0, offs, rem, MASKED, ESIZE, PRE30, MODE, MH, AW, P30, P27, P31, ONE)
+        MHI: tl.constexpr = (MH & 1) != 0
+        MHT: tl.constexpr = (MH & 2) != 0
+        mh, ml = _idx_mix(s + 1, offs, IDX, PRE30, MODE, MHI, P30, P27, P31)
+        t0 = _term(mh, ml, x0, PRE30, ESIZE, MODE, MHT, P30, P27, P31)
+        if MASKED:
+            t0 = tl.where(offs < rem, t0, 0)
+        a0 += t0
         if G >= 2:
-            h1, l1 = _consume(x1, mh, ml, h1, l1, offs, rem, MASKED, ESIZE, PRE30, MODE, MH, AW, P30, P27, P31,
-                              ONE)
+            t1 = _term(mh, ml, x1, PRE30, ESIZE, MODE, MHT, P30, P27, P31)
+            if MASKED:
+                t1 = tl.where(offs < rem, t1, 0)
+            a1 += t1
         if G >= 4:
-            h2, l2 = _consume(x2, mh, ml, h2, l2, offs, rem, MASKED, ESIZE, PRE30, MODE, MH, AW, P30, P27, P31,
-                              ONE)
-            h3, l3 = _consume(x3, mh, ml, h3, l3, offs, rem, MASKED, ESIZE, PRE30, MODE, MH, AW, P30, P27, P31,
-                              ONE)
-        return h0, l0, h1, l1, h2, l2, h3, l3
+            t2 = _term(mh, ml, x2, PRE30, ESIZE, MODE, MHT, P30, P27, P31)
+            t3 = _term(mh, ml, x3, PRE30, ESIZE, MODE, MHT, P30, P27, P31)
+            if MASKED:
+                t2 = tl.where(offs < rem, t2, 0)
+                t3 = tl.where(offs < rem, t3, 0)
+            a2 += t2
+            a3 += t3
+        return a0, a1, a2, a3
 
     @triton.jit
-    def _contig_full(base, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31, ONE,
-                     G: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, ESIZE: tl.constexpr,
-                     IDX: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr, AW: tl.constexpr,
-                     ALIGNED: tl.constexpr):
+    def _contig_full(base, blk, off0, off1, off2, off3, offs, a0, a1, a2, a3, P30, P27, P31, G: tl.constexpr,
+                     BLOCK: tl.constexpr, SUB: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr,
+                     MODE: tl.constexpr, MH: tl.constexpr, ALIGNED: tl.constexpr):
         """A full block: unmasked vector loads, software-pipelined (sub-block k+1 is loaded before sub-block k
         is hashed, so memory latency overlaps the integer work)."""
         x0 = _load(base, off0, blk, offs, 0, False, ESIZE, ALIGNED)
@@ -272,22 +264,21 @@ if HAVE_TRITON:
             if G >= 4:
                 n2 = _load(base, off2, s, offs, 0, False, ESIZE, ALIGNED)
                 n3 = _load(base, off3, s, offs, 0, False, ESIZE, ALIGNED)
-            h0, l0, h1, l1, h2, l2, h3, l3 = _step(x0, x1, x2, x3, s - SUB, offs, 0, h0, l0, h1, l1, h2, l2, h3,
-                                                   l3, P30, P27, P31, ONE, False, G, ESIZE, IDX, MODE, MH, AW)
+            a0, a1, a2, a3 = _step(x0, x1, x2, x3, s - SUB, offs, 0, a0, a1, a2, a3, P30, P27, P31, False, G, ESIZE,
+                                   IDX, MODE, MH)
             x0 = n0
             if G >= 2:
                 x1 = n1
             if G >= 4:
                 x2 = n2
                 x3 = n3
-        return _step(x0, x1, x2, x3, blk + (BLOCK - SUB), offs, 0, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31,
-                     ONE, False, G, ESIZE, IDX, MODE, MH, AW)
+        return _step(x0, x1, x2, x3, blk + (BLOCK - SUB), offs, 0, a0, a1, a2, a3, P30, P27, P31, False, G, ESIZE,
+                     IDX, MODE, MH)
 
     @triton.jit
-    def _contig_tail(base, numel, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27,
-                     P31, ONE, G: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, ESIZE: tl.constexpr,
-                     IDX: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr, AW: tl.constexpr,
-                     ALIGNED: tl.constexpr):
+    def _contig_tail(base, numel, blk, off0, off1, off2, off3, offs, a0, a1, a2, a3, P30, P27, P31,
+                     G: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, ESIZE: tl.constexpr,
+                     IDX: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr, ALIGNED: tl.constexpr):
         """The last, partial block of a group: masked loads, terms of indices >= numel zeroed."""
         for it in range(0, BLOCK, SUB):
             s = blk + it
@@ -301,24 +292,23 @@ if HAVE_TRITON:
             if G >= 4:
                 x2 = _load(base, off2, s, offs, rem, True, ESIZE, ALIGNED)
                 x3 = _load(base, off3, s, offs, rem, True, ESIZE, ALIGNED)
-            h0, l0, h1, l1, h2, l2, h3, l3 = _step(x0, x1, x2, x3, s, offs, rem, h0, l0, h1, l1, h2, l2, h3, l3,
-                                                   P30, P27, P31, ONE, True, G, ESIZE, IDX, MODE, MH, AW)
-        return h0, l0, h1, l1, h2, l2, h3, l3
+            a0, a1, a2, a3 = _step(x0, x1, x2, x3, s, offs, rem, a0, a1, a2, a3, P30, P27, P31, True, G, ESIZE, IDX,
+                                   MODE, MH)
+        return a0, a1, a2, a3
 
     @triton.jit
-    def _flush(sums, slot_ptr, acch, accl):
-        """sums[slot] += sum(accl) + (sum(acch) << 32)  (int64 atomic add, wraps mod 2^64 like uint64)."""
-        total = tl.sum(accl, axis=0) + (tl.sum(acch, axis=0).to(tl.uint64) << 32)
-        tl.atomic_add(sums + tl.load(slot_ptr), total.to(tl.int64, bitcast=True), sem="relaxed")
+    def _flush(sums, slot_ptr, acc):
+        """sums[slot] += sum(acc): int64 atomic add, which wraps mod 2^64 exactly like the uint64 sum."""
+        tl.atomic_add(sums + tl.load(slot_ptr), tl.sum(acc, axis=0).to(tl.int64, bitcast=True), sem="relaxed")
 
-    @triton.jit(do_not_specialize=["P30", "P27", "P31", "ONE"])
-    def _contig_kernel(base, items, gtab, sums, P30, P27, P31, ONE, G: tl.constexpr, BLOCK: tl.constexpr,
+    @triton.jit(do_not_specialize=["P30", "P27", "P31"])
+    def _contig_kernel(base, items, gtab, sums, P30, P27, P31, G: tl.constexpr, BLOCK: tl.constexpr,
                        SUB: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr, MODE: tl.constexpr,
-                       MH: tl.constexpr, AW: tl.constexpr, ALIGNED: tl.constexpr):
+                       MH: tl.constexpr, ALIGNED: tl.constexpr):
         """One program = BLOCK indices of the G same-sized tensors of one group.
         items[pid] = group row; gtab row = numel, first item of the group, G element offsets from `base`,
-        G accumulator slots.  Adds each tensor's block sum to sums[slot] (int64 atomics, wrap mod 2^64).
-        P30, P27, P31 = 4, 32, 2 and ONE = 1 (run-time values, see _xs and _accumulate)."""
+        G accumulator slots.  Adds each tensor's block sum to sums[slot].
+        P30, P27, P31 = 4, 32, 2 (run-time values, see _xs)."""
         pid = tl.program_id(0)
         row = gtab + tl.load(items + pid) * 10
         numel = tl.load(row)
@@ -333,37 +323,34 @@ if HAVE_TRITON:
             off2 = tl.load(row + 4)
             off3 = tl.load(row + 5)
         offs = tl.arange(0, SUB)
-        h0 = tl.zeros([SUB], dtype=tl.uint32)
-        l0 = tl.zeros([SUB], dtype=tl.uint64)
-        h1, l1, h2, l2, h3, l3 = h0, l0, h0, l0, h0, l0
+        a0 = tl.zeros([SUB], dtype=tl.uint64)
+        a1 = a0
+        a2 = a0
+        a3 = a0
         if blk + BLOCK <= numel:
-            h0, l0, h1, l1, h2, l2, h3, l3 = _contig_full(
-                base, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31, ONE,
-                G, BLOCK, SUB, ESIZE, IDX, MODE, MH, AW, ALIGNED)
+            a0, a1, a2, a3 = _contig_full(base, blk, off0, off1, off2, off3, offs, a0, a1, a2, a3, P30, P27, P31,
+                                          G, BLOCK, SUB, ESIZE, IDX, MODE, MH, ALIGNED)
         else:
-            h0, l0, h1, l1, h2, l2, h3, l3 = _contig_tail(
-                base, numel, blk, off0, off1, off2, off3, offs, h0, l0, h1, l1, h2, l2, h3, l3, P30, P27, P31,
-                ONE, G, BLOCK, SUB, ESIZE, IDX, MODE, MH, AW, ALIGNED)
-        _flush(sums, row + 6, h0, l0)
+            a0, a1, a2, a3 = _contig_tail(base, numel, blk, off0, off1, off2, off3, offs, a0, a1, a2, a3, P30, P27,
+                                          P31, G, BLOCK, SUB, ESIZE, IDX, MODE, MH, ALIGNED)
+        _flush(sums, row + 6, a0)
         if G >= 2:
-            _flush(sums, row + 7, h1, l1)
+            _flush(sums, row + 7, a1)
         if G >= 4:
-            _flush(sums, row + 8, h2, l2)
-            _flush(sums, row + 9, h3, l3)
+            _flush(sums, row + 8, a2)
+            _flush(sums, row + 9, a3)
 
-    @triton.jit(do_not_specialize=["P30", "P27", "P31", "ONE"])
-    def _strided_kernel(ptr, sums, slot, numel, n1, n2, n3, s0, s1, s2, s3, P30, P27, P31, ONE,
-                        BLOCK: tl.constexpr, SUB: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr,
-                        MODE: tl.constexpr, MH: tl.constexpr, AW: tl.constexpr, ADDR32: tl.constexpr):
+    @triton.jit(do_not_specialize=["P30", "P27", "P31"])
+    def _strided_kernel(ptr, sums, slot, numel, n1, n2, n3, s0, s1, s2, s3, P30, P27, P31, BLOCK: tl.constexpr,
+                        SUB: tl.constexpr, ESIZE: tl.constexpr, IDX: tl.constexpr, MODE: tl.constexpr,
+                        MH: tl.constexpr, ADDR32: tl.constexpr):
         """A non-contiguous view of <= 4 dims (sizes n0..n3, element strides s0..s3, C-order index i)."""
-        PRE30: tl.constexpr = ESIZE <= 2
         blk = tl.program_id(0).to(tl.int64) * BLOCK
         offs = tl.arange(0, SUB)
-        acch = tl.zeros([SUB], dtype=tl.uint32)
-        accl = tl.zeros([SUB], dtype=tl.uint64)
+        acc = tl.zeros([SUB], dtype=tl.uint64)
         for it in range(0, BLOCK, SUB):
             s = blk + it
-            mask = offs < numel - s
+            rem = numel - s
             if ADDR32:
                 i = s.to(tl.int32) + offs
             else:
@@ -374,12 +361,10 @@ if HAVE_TRITON:
             r = r // n2
             i1 = r % n1
             i0 = r // n1
-            x = tl.load(ptr + (i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3), mask=mask, other=0)
-            mh, ml = _idx_mix(s + 1, offs, IDX, PRE30, MODE, MH, P30, P27, P31)
-            h, l = _term(mh, ml, x, PRE30, ESIZE, MODE, MH, P30, P27, P31)
-            acch, accl = _accumulate(acch, accl, tl.where(mask, h, 0), tl.where(mask, l, 0), AW, ONE)
-        total = tl.sum(accl, axis=0) + (tl.sum(acch, axis=0).to(tl.uint64) << 32)
-        tl.atomic_add(sums + slot, total.to(tl.int64, bitcast=True), sem="relaxed")
+            x = tl.load(ptr + (i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3), mask=offs < rem, other=0)
+            acc, _, _, _ = _step(x, x, x, x, s, offs, rem, acc, acc, acc, acc, P30, P27, P31, True, 1, ESIZE, IDX,
+                                 MODE, MH)
+        tl.atomic_add(sums + slot, tl.sum(acc, axis=0).to(tl.int64, bitcast=True), sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -407,9 +392,9 @@ def _idx_class(max_numel: int) -> int:
 
 def _geometry(esize: int, g: int, cfg: dict) -> tuple[int, int]:
     """(SUB, BLOCK) of a launch: SUB = num_warps * 32 threads * elements per thread per iteration (`ept` for
-    unshared tensors, `ept_shared` per tensor for groups of G > 1; at least one 16-byte vector);
-    BLOCK = nsub * SUB indices per program."""
-    ept = max(cfg["ept"] if g == 1 else cfg["ept_shared"], 16 // esize)
+    unshared tensors, `ept_shared` per tensor for groups of G > 1; at most four 16-byte vectors, so that
+    the registers allow two 256-thread programs per SM); BLOCK = nsub * SUB indices per program."""
+    ept = max(1, min(cfg["ept"] if g == 1 else cfg["ept_shared"], 64 // esize))
     sub = cfg["num_warps"] * 32 * ept
     return sub, sub * cfg["nsub"]
 
@@ -538,8 +523,8 @@ def _device_sums(tensors: list, cfg: dict) -> np.ndarray:
             _PLANS.popitem(last=False)
     else:
         _PLANS.move_to_end(key)
-    mode, mh, aw = VARIANTS[cfg["variant"]]
-    rt = (4, 32, 2, 1)     # P30, P27, P31, ONE
+    mode, mh = VARIANTS[cfg["variant"]]
+    rt = (4, 32, 2)     # P30, P27, P31 = 2^(32-30), 2^(32-27), 2^(32-31)
     nw = cfg["num_warps"]
     sums = torch.zeros(len(tensors), dtype=torch.int64, device=device)
     table = plan.table
@@ -551,16 +536,16 @@ def _device_sums(tensors: list, cfg: dict) -> np.ndarray:
             grid = (-(-t.numel() // block),)
             _strided_kernel[grid](t, sums, j, t.numel(), sizes[1], sizes[2], sizes[3], strides[0], strides[1],
                                   strides[2], strides[3], *rt, BLOCK=block, SUB=sub, ESIZE=esize,
-                                  IDX=idx, MODE=mode, MH=mh, AW=aw, ADDR32=addr32, num_warps=nw)
+                                  IDX=idx, MODE=mode, MH=mh, ADDR32=addr32, num_warps=nw)
             continue
         _, base, esize, g, aligned, idx, sub, block, gofs, iofs, nitems = launch
         base_t = tensors[base].detach().view(_INT_VIEW[esize])
         _contig_kernel[(nitems,)](base_t, items[iofs:], table[gofs * _GTAB_COLS:], sums, *rt, G=g,
-                                  BLOCK=block, SUB=sub, ESIZE=esize, IDX=idx, MODE=mode, MH=mh, AW=aw,
+                                  BLOCK=block, SUB=sub, ESIZE=esize, IDX=idx, MODE=mode, MH=mh,
                                   ALIGNED=aligned, num_warps=nw)
     out = sums.cpu().numpy().view(np.uint64).copy()
     for j in plan.copies:   # > 4 non-mergeable dims: one contiguous copy, then the contiguous path
-        out[j] = _device_sums([tensors[j].contiguous()], cfg)[0]
+        out[j] = _device_sums([tensors[j].contiguous()], cfg)[0][0]
     return out, plan.hmix
 
 

@@ -77,7 +77,7 @@ class _Parser:
             self.pos += 1
         elif c == "*":
             raise self.fail("'*' must directly follow a symbol or ')'", start)
-        elif c.isdigit():
+        elif c.isdigit():   # any Unicode digit here is a stray count
             raise self.fail(f"unexpected digit {c!r} (a count must directly follow '*'; commas cannot split it)", start)
         elif c.isspace():
             raise self.fail("whitespace is not allowed", start)
@@ -87,10 +87,12 @@ class _Parser:
             return body
         star = self.pos
         self.pos = digits_at = star + 1
-        while self.peek().isdigit():
+        while self.peek() in "0123456789" and self.peek():     # ASCII digits only (int() rejects '²')
             self.pos += 1
         if self.pos == digits_at:
             raise self.fail("expected a repeat count after '*'", star)
+        if self.pos - digits_at > len(str(_MAX_SYMBOLS)):           # also keeps int() off huge strings
+            raise self.fail(f"layout expands to more than {_MAX_SYMBOLS} symbols", star)
         count = int(self.text[digits_at:self.pos])
         if count < 1:  # Megatron silently deletes the item; we refuse
             raise self.fail("repeat count must be >= 1", digits_at)

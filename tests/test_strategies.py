@@ -19,7 +19,7 @@ from hypothesis.errors import InvalidArgument
 from harness.strategies import (INVALID_RULES, invalid_layouts, layout_text, layouts, plain, spellings,
                                 stage_grids)
 from reference_impl.layout import LayoutError, PipelineLayout, parse_layout
-from reference_impl.schedule import ScheduleError, check_sizes
+from reference_impl.schedule import check_sizes
 
 # "ci" keeps hypothesis' default example count, so loading it leaves other modules' tests unchanged
 settings.register_profile("ci", deadline=None, max_examples=100, print_blob=True)
@@ -272,18 +272,6 @@ def test_invalid_layouts_only_draw_possible_rules():
 
 # --- fuzzing the parser ---------------------------------------------------------------------------------------
 
-def hits_known_count_bug(text: str) -> bool:
-    """True if `text` has a '*' count that str.isdigit() accepts but int() rejects (see the xfail tests below)."""
-    for mt in re.finditer(r"\*", text):
-        j = mt.end()
-        while j < len(text) and text[j].isdigit():
-            j += 1
-        digits = text[mt.end():j]
-        if digits and (not digits.isdecimal() or len(digits) > 4300):
-            return True
-    return False
-
-
 @settings(max_examples=examples(300), deadline=None)
 @given(layout_text(), st.integers(1, 4), st.integers(1, 6), st.integers(0, 2))
 def test_parser_raises_only_layout_error(text, pp, T, D):
@@ -293,24 +281,15 @@ def test_parser_raises_only_layout_error(text, pp, T, D):
             parse(text)
         except LayoutError as err:
             assert "\n" not in str(err) and str(err).startswith("layout ")
-        except ValueError:
-            if not hits_known_count_bug(text):
-                raise
     assert time.perf_counter() - start < 5, f"parser took too long on {text!r}"
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="parser bug: a '*' count of non-decimal unicode digits ('\u00b2') reaches int() and "
-                          "raises a plain ValueError instead of LayoutError")
-def test_known_bug_superscript_count_raises_layout_error():
+def test_superscript_count_raises_layout_error():
     with pytest.raises(LayoutError):
         parse_layout("Et*\u00b2|L")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="parser bug: a count of more than 4300 digits hits Python's int() digit limit and "
-                          "raises a plain ValueError instead of LayoutError")
-def test_known_bug_huge_count_raises_layout_error():
+def test_huge_count_raises_layout_error():
     with pytest.raises(LayoutError):
         parse_layout("Et*" + "1" * 5000 + "|L")
 
