@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
+import re
+
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -44,7 +46,25 @@ from .errors import UsageError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a mapping key given twice (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:          # the node's own keys; '<<' merges may be overridden
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = key_node.value
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class ExpectedDivergence(_Strict):
@@ -55,9 +75,9 @@ class ExpectedDivergence(_Strict):
 
 
 class VariantSpec(_Strict):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=100)
     pipeline_model_parallel_layout: str
-    pipeline_model_parallel_size: int = Field(ge=1)
+    pipeline_model_parallel_size: int = Field(ge=1, le=1024)
     options: dict = Field(default_factory=dict)
     expect: Literal["bitwise", "diverge"] = "bitwise"
     first_divergence: Optional[ExpectedDivergence] = None
@@ -125,6 +145,12 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
         if spec.num_gpus and spec.num_gpus > torch.cuda.device_count():
             raise UsageError(f"{path}: num_gpus: {spec.num_gpus}, but only {torch.cuda.device_count()} "
                              "CUDA devices are visible")
+    case_name = spec.name or path.stem
+    if not _NAME.match(case_name):
+        raise UsageError(f"{path}: name {case_name!r}: use letters, digits, '.', '_', '-' (it names the report "
+                         "directory), at most 64 characters, not starting with '.'")
+    if not spec.variants:
+        raise UsageError(f"{path}: no variants: nothing to compare with the baseline")
     names = [spec.baseline.name] + [v.name for v in spec.variants]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -149,7 +175,7 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
         only = keep
     runs = [_plan(path, spec, spec.baseline, True, inject)]
     runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]
-    return CasePlan(name=spec.name or path.stem, path=path, spec=spec, runs=runs)
+    return CasePlan(name=case_name, path=path, spec=spec, runs=runs)
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -162,12 +188,16 @@ def _deep_merge(base: dict, over: dict) -> dict:
 def _read_yaml(path: Path, seen: tuple) -> dict:
     """Load a case mapping; ``extends: other.yaml`` (relative to this file) deep-merges this file over it.
     Top-level keys starting with ``x-`` only hold YAML anchors and are dropped."""
+    if path.is_dir():
+        raise UsageError(f"{path}: is a directory, not a case file")
     if not path.is_file():
         raise UsageError(f"{path}: no such case file")
     if path.resolve() in seen:
         raise UsageError(f"{path}: 'extends' cycle")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not a text (UTF-8) file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -205,6 +235,11 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         training = TrainingConfig.model_validate({**spec.training.model_dump(), **v.options})
     except ValidationError as e:
         raise UsageError(f"{where}: options.{_loc(e)}") from None
+    if training.data != spec.training.data:
+        try:
+            TokenDataset(training.data, 0, training.seq_length, 1, spec.model.vocab_size)
+        except DataError as e:
+            raise UsageError(f"{where}: options.{e}") from None
     try:
         layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, v.pipeline_model_parallel_size,
                                             spec.model.num_layers, spec.model.mtp_num_layers)

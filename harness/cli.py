@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -79,9 +80,14 @@ def _schedule_explain(args) -> int:
     from reference_impl.schedule import ScheduleError, build_schedule, grid, simulate, timeline
     if min(args.pp, args.vpp, args.microbatches) < 1:
         raise UsageError("--pp, --vpp and --microbatches must be >= 1")
+    if args.pp > 1024 or args.vpp > 64 or args.microbatches > 4096 or args.pp * args.vpp * args.microbatches > 200_000:
+        raise UsageError("schedule too large to print (limits: --pp 1024, --vpp 64, --microbatches 4096, "
+                         "P*V*M 200000)")
     stages = args.pp * args.vpp
     text = "|".join(["Et"] + ["t"] * (stages - 2) + ["tL"]) if stages > 1 else "EtL"
     layout = PipelineLayout.from_string(text, args.pp, stages, 0)
+    if args.pp == 1 and args.vpp > 1:
+        raise UsageError("--vpp > 1 needs --pp > 1 (the no-pipelining schedule runs one chunk)")
     try:
         lists = build_schedule(layout, args.microbatches, 1, 1, 1)
         rounds = simulate(lists)
@@ -100,8 +106,8 @@ def _verify(args, argv) -> int:
     from .verify import verify
     plan = load_case(args.case, only=args.only, inject=args.inject,
                      overrides={"device": args.device, "num_gpus": args.num_gpus})
-    if args.timeout is not None and args.timeout <= 0:
-        raise UsageError("--timeout must be > 0")
+    if args.timeout is not None and not (0 < args.timeout < float("inf")):
+        raise UsageError("--timeout must be a positive number of seconds")
     result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
                     launcher=args.launcher)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
@@ -142,6 +148,10 @@ def _fuzz(args, argv) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``bitparity`` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
+
+    def _terminate(signum, frame):          # SIGTERM (CI cancel, `timeout`): unwind so ranks get reaped
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         args = _parser().parse_args(argv)
         if args.command == "verify":

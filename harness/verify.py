@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import sys
@@ -24,6 +25,7 @@ from reference_impl.schedule import build_schedule, serialise, timeline
 
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare
+from .errors import UsageError
 from .report import write_report
 from .results import CaseResult, StepSeries, VariantResult
 from .runner import RunOutcome, run_ranks
@@ -98,6 +100,8 @@ def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str]) -> t
     """(verdict, one-line reason) for a variant from its expectation and comparison."""
     if error:
         return "error", error.splitlines()[0]
+    if run.is_baseline:
+        return "pass", "reference run: completed (compared with itself)"
     fd, exp = cmp.first_divergence, run.spec
     where = f"first divergence: step {fd.step} {fd.kind} {fd.name}" if fd else ""
     ref = exp.compare_to or "the baseline"
@@ -119,9 +123,19 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
            progress: Callable[[str], None] = print, launcher: str = "fork") -> CaseResult:
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``)."""
     start = time.monotonic()
+    if out_root.exists() and not out_root.is_dir():
+        raise UsageError(f"--out {out_root}: not a directory")
     final, work = out_root / plan.name, out_root / f".{plan.name}.partial"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    try:
+        return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)     # never leave a half-written report behind
+        raise
+
+
+def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work) -> CaseResult:
     env = environment()
     timeout = timeout_s or plan.spec.timeout_s
     traces, outcomes, dirs, taken = {}, {}, {}, set()
@@ -138,7 +152,7 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
                 trace.save(work / dirs[name] / "trace.json")
             except TraceError as e:
                 outcome = RunOutcome(False, f"trace error: {e}", outcome.elapsed_s)
-        reproduce = f"bitparity verify {plan.path} --only {name}"
+        reproduce = shlex.join(["bitparity", "verify", str(plan.path), "--only", name, "--out", str(out_root)])
         (work / dirs[name] / "manifest.json").write_text(
             json.dumps(_manifest(plan, run, outcome, trace, env, reproduce), indent=1))
         traces[name], outcomes[name] = trace, outcome
@@ -164,7 +178,8 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
             first_divergence=cmp.first_divergence if cmp else None, reason=reason, error=error,
             layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=_series(trace, cmp),
             family_mismatches=cmp.family_mismatches if cmp else {}, elapsed_s=outcome.elapsed_s,
-            run_dir=str(dirs[name]), command=f"bitparity verify {plan.path} --only {name}", compare_to=ref_name,
+            run_dir=str(dirs[name]), compare_to=ref_name,
+            command=shlex.join(["bitparity", "verify", str(plan.path), "--only", name, "--out", str(out_root)]),
             reductions=t.reductions, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
             bubble_fraction=bubble))
         progress(f"{verdict.upper():5} {name}: {reason}")

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML `true` is not a layer count and "4" is not an int
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 _FREQ_TERM = re.compile(r"^\[\s*([01](?:\s*,\s*[01])*)\s*\](?:\s*\*\s*(\d+))?$")
@@ -128,11 +129,11 @@ class DataConfig(_Strict):
 class TrainingConfig(_Strict):
     """Training loop settings (Megatron names)."""
 
-    seed: int = 1234
+    seed: int = Field(1234, ge=0)
     train_iters: int = Field(3, ge=1)
     seq_length: int = Field(32, ge=2)
     micro_batch_size: int = Field(2, ge=1)
-    num_microbatches: int = Field(4, ge=1)
+    num_microbatches: int = Field(4, ge=1, le=4096)
     lr: float = Field(1e-3, ge=0)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -149,7 +150,7 @@ class ParallelConfig(_Strict):
     """Pipeline placement.  `virtual_pipeline_model_parallel_size` is derived from the layout."""
 
     pipeline_model_parallel_layout: str
-    pipeline_model_parallel_size: int = Field(ge=1)
+    pipeline_model_parallel_size: int = Field(ge=1, le=1024)
 
 
 class RunConfig(_Strict):

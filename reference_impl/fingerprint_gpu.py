@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -83,7 +84,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # name -> (MODE, MH): MODE 0 = uint64 code, 1 = explicit 32-bit halves; MH bit 0 / bit 1 = the high-half
 # right shifts of the index-side / data-side mix as IMAD.HI (FMA pipe) instead of SHF (ALU pipe)
 VARIANTS = {"u64": (0, 0), "u32": (1, 0), "u32mhi": (1, 1), "u32mht": (1, 2), "u32mh": (1, 3)}
-DEFAULT = {"variant": "u32", "num_warps": 8, "nsub": 4, "share": 4, "ept": 16, "ept_shared": 4}
+DEFAULT = {"variant": "u64", "num_warps": 8, "nsub": 4, "share": 4, "ept": 16, "ept_shared": 4, "ept_strided": 4,
+           "min_idx": 30}   # min_idx (30/32/64): force the wider index code paths (a testing aid)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GTAB_COLS = 10          # numel, first_item, off0..off3, slot0..slot3
 _MAX_DIMS = 4
@@ -390,11 +392,15 @@ def _idx_class(max_numel: int) -> int:
     return 64
 
 
-def _geometry(esize: int, g: int, cfg: dict) -> tuple[int, int]:
+def _geometry(esize: int, g: int, cfg: dict, idx: int = 30, strided: bool = False) -> tuple[int, int]:
     """(SUB, BLOCK) of a launch: SUB = num_warps * 32 threads * elements per thread per iteration (`ept` for
-    unshared tensors, `ept_shared` per tensor for groups of G > 1; at most four 16-byte vectors, so that
-    the registers allow two 256-thread programs per SM); BLOCK = nsub * SUB indices per program."""
-    ept = max(1, min(cfg["ept"] if g == 1 else cfg["ept_shared"], 64 // esize))
+    unshared tensors, `ept_shared` per tensor for groups of G > 1, `ept_strided` for strided views; halved for
+    64-bit indices; at most four 16-byte vectors, so that the registers allow two 256-thread programs per SM);
+    BLOCK = nsub * SUB indices per program."""
+    ept = cfg["ept_strided"] if strided else cfg["ept"] if g == 1 else cfg["ept_shared"]
+    if idx == 64:
+        ept //= 2
+    ept = max(1, min(ept, 64 // esize))
     sub = cfg["num_warps"] * 32 * ept
     return sub, sub * cfg["nsub"]
 
@@ -408,13 +414,9 @@ class _Plan:
         self.launches: list = []      # ("contig", base, esize, G, aligned, idx, sub, block, gofs, iofs, nitems)
                                       # or ("strided", j, sizes4, strides4, esize, idx, addr32, sub, block)
         self.strided: list = []       # indices of non-contiguous tensors (<= 4 dims after merging)
-        self.copies: list = []        # tensor indices fingerprinted through .contiguous() (> 4 dims)
         groups: "OrderedDict[tuple, list]" = OrderedDict()
         for j, m in enumerate(metas):
             if m["numel"] == 0:
-                continue
-            if m["contig"] is None:
-                self.copies.append(j)
                 continue
             if m["contig"]:
                 aligned = m["ptr"] % 16 == 0
@@ -433,41 +435,45 @@ class _Plan:
                     by_launch.setdefault((esize, aligned, g), []).append((numel, rest[:g]))
                     rest = rest[g:]
         gtab_rows: list = []
-        items: list = []
+        nblocks: list = []            # blocks (programs) per gtab row
+        n_items = 0
         for (esize, aligned, g), chunks in by_launch.items():
             base = chunks[0][1][0]
             base_ptr = metas[base]["ptr"]
-            sub, block = _geometry(esize, g, cfg)
-            gofs, iofs = len(gtab_rows), len(items)
+            idx = max(_idx_class(max(n for n, _ in chunks)), cfg["min_idx"])
+            sub, block = _geometry(esize, g, cfg, idx)
+            gofs, iofs = len(gtab_rows), n_items
             for numel, members in chunks:
-                row = [numel, len(items) - iofs] + [0] * 8
+                row = [numel, n_items - iofs] + [0] * 8
                 for q, j in enumerate(members):
                     delta = metas[j]["ptr"] - base_ptr
-                    assert delta % esize == 0, "element-misaligned tensor"
+                    if delta % esize:
+                        raise ValueError(f"tensor {j}: data pointer not aligned to its element size")
                     row[2 + q] = delta // esize
                     row[6 + q] = j
-                nblk = -(-numel // block)
-                items.extend([len(gtab_rows) - gofs] * nblk)
                 gtab_rows.append(row)
-            idx = _idx_class(max(n for n, _ in chunks))
-            self.launches.append(("contig", base, esize, g, aligned, idx, sub, block, gofs, iofs,
-                                  len(items) - iofs))
-        table = np.zeros(len(gtab_rows) * _GTAB_COLS + len(items), dtype=np.int64)
-        if gtab_rows:
-            table[:len(gtab_rows) * _GTAB_COLS] = np.asarray(gtab_rows, dtype=np.int64).reshape(-1)
-            table[len(gtab_rows) * _GTAB_COLS:] = np.asarray(items, dtype=np.int64)
-        self.items_at = len(gtab_rows) * _GTAB_COLS
-        self.table = torch.from_numpy(table).to(device)
+                nblocks.append(-(-numel // block))
+                n_items += nblocks[-1]
+            self.launches.append(("contig", base, esize, g, aligned, idx, sub, block, gofs, iofs, n_items - iofs))
+        # one int64 buffer, one host->device copy: gtab rows, then items[k] = gtab row (relative to its launch)
+        gtab = np.asarray(gtab_rows, dtype=np.int64).reshape(-1, _GTAB_COLS)
+        rel = np.zeros(len(gtab_rows), dtype=np.int64)
+        starts = [launch[8] for launch in self.launches] + [len(gtab_rows)]
+        for a, b in zip(starts[:-1], starts[1:]):
+            rel[a:b] = np.arange(b - a)
+        items = np.repeat(rel, np.asarray(nblocks, dtype=np.int64))
+        self.items_at = gtab.size
+        self.table = torch.from_numpy(np.concatenate([gtab.reshape(-1), items])).to(device)
         for j in self.strided:
             m = metas[j]
             dims = [(1, 0)] * (_MAX_DIMS - len(m["dims"])) + list(m["dims"])
             sizes = [n for n, _ in dims]
             strides = [s for _, s in dims]
             span = sum((n - 1) * s for n, s in dims)
-            addr32 = m["numel"] < (1 << 31) and span < (1 << 31)
-            sub, block = _geometry(m["esize"], 1, cfg)
-            self.launches.append(("strided", j, sizes, strides, m["esize"], _idx_class(m["numel"]), addr32, sub,
-                                  block))
+            idx = max(_idx_class(m["numel"]), cfg["min_idx"])
+            addr32 = m["numel"] < (1 << 31) and span < (1 << 31) and idx < 64
+            sub, block = _geometry(m["esize"], 1, cfg, idx, strided=True)
+            self.launches.append(("strided", j, sizes, strides, m["esize"], idx, addr32, sub, block))
 
 
 _PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -481,19 +487,13 @@ def _meta(t: torch.Tensor) -> dict:
     dims = None
     contig: "bool | None" = t.is_contiguous()
     if not contig:
-        dims = _collapse(t)
+        dims = tuple(_collapse(t))
         if len(dims) <= 1 and (not dims or dims[0][1] == 1):
             contig = True          # e.g. a column slice of size 1: contiguous in all but name
         elif len(dims) > _MAX_DIMS:
             contig = None
     return {"esize": esize, "numel": t.numel(), "contig": contig, "dims": dims, "ptr": t.data_ptr(),
             "dtype": t.dtype, "shape": tuple(t.shape)}
-
-
-def _key(metas, device, cfg) -> tuple:
-    return (str(device), tuple(sorted(cfg.items())),
-            tuple((m["esize"], m["numel"], m["contig"], tuple(m["dims"] or ()), m["ptr"], str(m["dtype"]),
-                   m["shape"]) for m in metas))
 
 
 def _cfg(overrides: dict) -> dict:
@@ -507,46 +507,107 @@ def _cfg(overrides: dict) -> dict:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}")
     if cfg["share"] not in (1, 2, 4):
         raise ValueError("share must be 1, 2 or 4")
+    if cfg["min_idx"] not in (30, 32, 64):
+        raise ValueError("min_idx must be 30, 32 or 64")
+    if cfg["num_warps"] not in (1, 2, 4, 8, 16, 32) or cfg["nsub"] < 1:
+        raise ValueError("num_warps must be a power of two <= 32 and nsub >= 1")
     return cfg
 
 
-def _device_sums(tensors: list, cfg: dict) -> np.ndarray:
-    """S (uint64 array) for tensors that all live on one device, computed by the kernels."""
-    device = tensors[0].device
-    metas = [_meta(t) for t in tensors]
-    key = _key(metas, device, cfg)
+def _plan(tensors: list, cfg: dict) -> "tuple[_Plan, list]":
+    """The plan for tensors on one device, cached by (pointer, dtype, shape, strides) of every tensor - the
+    same gradient buffers every step cost one dictionary lookup.  Views with > 4 non-mergeable dims are
+    replaced by contiguous copies (returned in the list, which the caller keeps alive until the kernels are
+    done; such plans are not cached)."""
+    key = (tensors[0].device, tuple(sorted(cfg.items())),
+           tuple([(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors]))
     plan = _PLANS.get(key)
-    if plan is None:
-        plan = _Plan(metas, device, cfg)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        return plan, tensors
+    metas, copied = [], False
+    for j, t in enumerate(tensors):
+        m = _meta(t)
+        if m["contig"] is None:
+            tensors[j] = t = t.contiguous()
+            m, copied = _meta(t), True
+        metas.append(m)
+    plan = _Plan(metas, tensors[0].device, cfg)
+    if not copied:
         _PLANS[key] = plan
         while len(_PLANS) > _PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
-    else:
-        _PLANS.move_to_end(key)
+    return plan, tensors
+
+
+def _launch(tensors: list, cfg: dict) -> "tuple[torch.Tensor, _Plan, list]":
+    """Launch the kernels for tensors that all live on one device; returns the int64 sums tensor (S of each
+    tensor, filled asynchronously on the current stream), the plan and the tensors actually read."""
+    plan, tensors = _plan(tensors, cfg)
     mode, mh = VARIANTS[cfg["variant"]]
     rt = (4, 32, 2)     # P30, P27, P31 = 2^(32-30), 2^(32-27), 2^(32-31)
     nw = cfg["num_warps"]
-    sums = torch.zeros(len(tensors), dtype=torch.int64, device=device)
+    sums = torch.zeros(len(tensors), dtype=torch.int64, device=tensors[0].device)
     table = plan.table
     items = table[plan.items_at:]
     for launch in plan.launches:
         if launch[0] == "strided":
             _, j, sizes, strides, esize, idx, addr32, sub, block = launch
             t = tensors[j].detach().view(_INT_VIEW[esize])
-            grid = (-(-t.numel() // block),)
-            _strided_kernel[grid](t, sums, j, t.numel(), sizes[1], sizes[2], sizes[3], strides[0], strides[1],
-                                  strides[2], strides[3], *rt, BLOCK=block, SUB=sub, ESIZE=esize,
-                                  IDX=idx, MODE=mode, MH=mh, ADDR32=addr32, num_warps=nw)
-            continue
-        _, base, esize, g, aligned, idx, sub, block, gofs, iofs, nitems = launch
-        base_t = tensors[base].detach().view(_INT_VIEW[esize])
-        _contig_kernel[(nitems,)](base_t, items[iofs:], table[gofs * _GTAB_COLS:], sums, *rt, G=g,
-                                  BLOCK=block, SUB=sub, ESIZE=esize, IDX=idx, MODE=mode, MH=mh,
-                                  ALIGNED=aligned, num_warps=nw)
-    out = sums.cpu().numpy().view(np.uint64).copy()
-    for j in plan.copies:   # > 4 non-mergeable dims: one contiguous copy, then the contiguous path
-        out[j] = _device_sums([tensors[j].contiguous()], cfg)[0][0]
-    return out, plan.hmix
+            _strided_kernel[(-(-t.numel() // block),)](
+                t, sums, j, t.numel(), sizes[1], sizes[2], sizes[3], strides[0], strides[1], strides[2],
+                strides[3], *rt, BLOCK=block, SUB=sub, ESIZE=esize, IDX=idx, MODE=mode, MH=mh, ADDR32=addr32,
+                num_warps=nw)
+        else:
+            _, base, esize, g, aligned, idx, sub, block, gofs, iofs, nitems = launch
+            _contig_kernel[(nitems,)](
+                tensors[base].detach().view(_INT_VIEW[esize]), items[iofs:], table[gofs * _GTAB_COLS:], sums, *rt, G=g,
+                BLOCK=block, SUB=sub, ESIZE=esize, IDX=idx, MODE=mode, MH=mh, ALIGNED=aligned, num_warps=nw)
+    return sums, plan, tensors
+
+
+class PendingFingerprints:
+    """Fingerprints whose kernels are launched but not yet read back: `result()` waits (one device-to-host
+    copy of 8 bytes per tensor per device) and applies the final mix on the host."""
+
+    def __init__(self, n: int):
+        self._values: list = [None] * n
+        self._pending: list = []      # (indices, sums tensor, plan, tensors kept alive)
+
+    def result(self) -> list[int]:
+        for idxs, sums, plan, _keep in self._pending:
+            with np.errstate(over="ignore"):
+                fps = _mix(sums.cpu().numpy().view(np.uint64) ^ plan.hmix)
+            for j, v in zip(idxs, fps.tolist()):
+                self._values[j] = int(v)
+        self._pending = []
+        return list(self._values)
+
+    def hex(self) -> list[str]:
+        return [f"{v:016x}" for v in self.result()]
+
+
+def fingerprint_many_async(tensors, **options) -> PendingFingerprints:
+    """Launch `fingerprint_many` without waiting: returns a `PendingFingerprints` (`.result()` / `.hex()`)."""
+    cfg = _cfg(options)
+    tensors = list(tensors)
+    out = PendingFingerprints(len(tensors))
+    by_device: "OrderedDict[torch.device, list]" = OrderedDict()
+    for j, t in enumerate(tensors):
+        if t.is_cuda or (INTERPRET and HAVE_TRITON and t.device.type == "cpu"):
+            by_device.setdefault(t.device, []).append(j)
+        elif t.device.type == "cpu":
+            out._values[j] = fingerprint(t)
+        else:
+            raise ValueError(f"fingerprint_many: unsupported device {t.device}")
+    for device, idxs in by_device.items():
+        if not HAVE_TRITON:
+            raise TritonUnavailableError("fingerprinting CUDA tensors on the device needs Triton "
+                                         "(pip install triton); reference_impl.fingerprint works on the host")
+        with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+            sums, plan, keep = _launch(tensors if len(idxs) == len(tensors) else [tensors[j] for j in idxs], cfg)
+        out._pending.append((idxs, sums, plan, keep))
+    return out
 
 
 def fingerprint_many(tensors, **options) -> list[int]:
@@ -554,31 +615,11 @@ def fingerprint_many(tensors, **options) -> list[int]:
 
     CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run through the Triton kernels: one fill +
     one launch per (element size, alignment, share width) for all contiguous tensors + one per non-contiguous
-    view; only 8 bytes per tensor are copied back.  Other CPU tensors use the reference implementation.
-    options: variant ("u32", "u32mh", "u64"), num_warps, nsub, vec, share (1, 2 or 4) - all give the same
-    values; they only change speed.
+    view, per device; only 8 bytes per tensor come back.  Other CPU tensors use the reference implementation.
+    options (speed only, never the values): variant (see VARIANTS), num_warps, nsub, ept, ept_shared,
+    ept_strided, share (1, 2 or 4: how many same-sized tensors share one index mix).
     """
-    cfg = _cfg(options)
-    tensors = [t.detach() for t in tensors]
-    result: list = [None] * len(tensors)
-    by_device: "OrderedDict[torch.device, list]" = OrderedDict()
-    for j, t in enumerate(tensors):
-        if t.device.type == "cuda" or (t.device.type == "cpu" and INTERPRET and HAVE_TRITON):
-            by_device.setdefault(t.device, []).append(j)
-        elif t.device.type == "cpu":
-            result[j] = fingerprint(t)
-        else:
-            raise ValueError(f"fingerprint_many: unsupported device {t.device}")
-    for device, idxs in by_device.items():
-        if not HAVE_TRITON:
-            raise TritonUnavailableError("fingerprinting CUDA tensors on the device needs Triton "
-                                         "(pip install triton); reference_impl.fingerprint works on the host")
-        sums, hmix = _device_sums([tensors[j] for j in idxs], cfg)
-        with np.errstate(over="ignore"):
-            fps = _mix(sums ^ hmix)
-        for j, v in zip(idxs, fps.tolist()):
-            result[j] = int(v)
-    return result
+    return fingerprint_many_async(tensors, **options).result()
 
 
 def fingerprint_device(t: torch.Tensor, **options) -> int:
@@ -593,4 +634,4 @@ def fingerprint_hex_device(t: torch.Tensor, **options) -> str:
 
 def fingerprint_hex_many_device(tensors, **options) -> list[str]:
     """`fingerprint_many` as 16-hex-digit strings."""
-    return [f"{v:016x}" for v in fingerprint_many(tensors, **options)]
+    return fingerprint_many_async(tensors, **options).hex()

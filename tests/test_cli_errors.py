@@ -40,6 +40,12 @@ def _check_usage_error(proc, out, *fragments):
                                "pipeline_model_parallel_size: 2}\n", ["duplicate variant name 'v'"]),
     ((GOOD % ("Ett|ttmL", 2)).replace("training: {", "training: {data: {path: nowhere.txt}, "), ["nowhere.txt"]),
     ("model: [1, 2\n", ["invalid YAML", ":1:"]),
+    ((GOOD % ("Ett|ttmL", 2)).replace("name: t\n", "name: ..\n"), ["name '..'"]),          # path traversal
+    ((GOOD % ("Ett|ttmL", 2)).replace("name: t\n", "name: a/b\n"), ["name 'a/b'"]),
+    ((GOOD % ("Ett|ttmL", 2)).replace("name: t\n", "name: t\nname: u\n"), ["duplicate key 'name'"]),
+    ((GOOD % ("Ett|ttmL", 2)).split("variants:")[0], ["no variants"]),
+    ((GOOD % ("Ett|ttmL", 2)).replace("train_iters: 1", "train_iters: true"), ["training.train_iters"]),
+    ((GOOD % ("Ett|ttmL", 2)).replace("train_iters: 1", "train_iters: 1, seed: -5"), ["training.seed"]),
     ("- just a list\n", ["mapping"]),
 ])
 def test_bad_case_files(tmp_path, cli, body, fragments):
