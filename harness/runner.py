@@ -40,6 +40,23 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def _stacks(procs, ranks, run_dir: Path) -> str:
+    """Ask hung ranks for their Python stacks (SIGUSR1 -> faulthandler into the rank log) and return the
+    innermost frames of each, so a timeout says where every rank waits."""
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except (ProcessLookupError, TypeError):
+            pass
+    time.sleep(1.0)
+    lines = []
+    for r in ranks:
+        frames = [l.strip() for l in tail(run_dir / f"rank{r}.log", 60).splitlines() if l.strip().startswith("File ")]
+        where = frames[0] if frames else "(no stack)"
+        lines.append(f"rank {r} waits in: {where}")
+    return "\n".join(lines)
+
+
 def _stop(procs) -> None:
     procs = [p for p in procs if p.pid is not None]     # started ones only
     for p in procs:
@@ -115,8 +132,7 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "
             left = timeout_s - (time.monotonic() - start)
             if left <= 0:
                 alive = sorted(pending.values())
-                error = f"timeout after {timeout_s:.0f} s; ranks still running: {alive}\n" + \
-                        "\n".join(f"rank {r}: {tail(run_dir / f'rank{r}.log', 1)}" for r in alive)
+                error = f"timeout after {timeout_s:g} s; ranks still running: {alive}\n" + _stacks(procs, alive, run_dir)
                 break
             for sentinel in mp.connection.wait(list(pending), timeout=min(left, 1.0)):
                 r = pending.pop(sentinel)

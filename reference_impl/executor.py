@@ -1,9 +1,10 @@
 """Runs one rank's action list for one step: forward/backward of its chunks and the p2p transfers.
 
-Sends are queued and posted together with the next receive in one ``batch_isend_irecv`` (as Megatron's
-combined ``send_forward_recv_backward`` calls); messages carry a tag made of (direction, stage, microbatch),
-so on gloo a receive can only ever match its own message (NCCL ignores tags and matches per peer in posting
-order, which the schedules keep consistent).  After each backward the chunk's ``.grad`` is added to
+A send immediately followed by a receive is posted with it in one ``batch_isend_irecv`` (Megatron's combined
+``send_forward_recv_backward``); any other send is posted alone before the next compute.  NCCL needs this
+pairing: it matches p2p ops per peer in posting order (tags are ignored), and a group holding two sends
+whose receives sit in different groups of the peer fails.  On gloo, messages also carry a tag made of
+(direction, stage, microbatch), so a receive can only ever match its own message.  After each backward the chunk's ``.grad`` is added to
 ``main_grad`` (fp32), so every parameter accumulates microbatches in ascending order (the schedule
 guarantees the order; megatron-semantics §4 "Gradient accumulation").
 """
@@ -48,6 +49,9 @@ class StepExecutor:
         losses: dict[int, LossOutput] = {}
         for a in actions:
             key = (a.stage, a.microbatch)
+            if a.op in ("F", "B") and pending:          # sends not followed by a receive go alone
+                works += self.transport.batch(pending, None)[1]
+                pending = []
             if a.op == "RECV_F" or a.op == "RECV_B":
                 direction, sender = ("F", a.stage - 1) if a.op == "RECV_F" else ("B", a.stage + 1)
                 tag = _tag(direction, sender, a.microbatch, self.m)

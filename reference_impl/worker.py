@@ -7,7 +7,9 @@ MASTER_ADDR/PORT) and maps local rank r to ``cuda:r``.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -27,6 +29,8 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
+    # the harness watchdog sends SIGUSR1 before killing a hung rank: every thread's Python stack goes to the log
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     cfg = RunConfig.model_validate_json(cfg_json)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(cfg.training.num_threads)
