@@ -46,8 +46,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int
 # sizes around the block boundaries (BLOCK = 16384 indices for 1/2/4-byte, 8192 for 8-byte elements);
 # 1_000_003 only on a GPU: the interpreter is slow
 SIZES = [0, 1, 2, 3, 4095, 4096, 4097, 16_384, 16_385, 40_001] + ([1_000_003] if HAS_CUDA else [])
-# the interpreter's cost is per program and vector op: a small geometry keeps the many-tensor tests fast
-SMALL = {} if HAS_CUDA else {"num_warps": 1, "nsub": 2}
+# the interpreter pays per program and per vector op: few, wide programs keep the many-tensor tests fast
+SMALL = {} if HAS_CUDA else {"num_warps": 32, "nsub": 1}
 MASK64 = (1 << 64) - 1
 
 
@@ -234,14 +234,16 @@ def test_gpu_many_gradient_like_list_and_streams():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_does_not_copy_the_tensor_to_the_host():
-    """Only the 8-byte sums come back: no device-to-host copy of the tensor's size (profiler memcpy events)."""
+def test_gpu_does_not_copy_the_tensor_to_the_host(tmp_path):
+    """Only the 8-byte sum comes back: every memcpy in the profiler trace is tiny (the plan is cached by then)."""
+    import json
     t = torch.randn(1 << 22, device="cuda")
-    fg.fingerprint_device(t)                      # compile outside the profile
+    fg.fingerprint_device(t)                      # compile and cache the plan outside the profile
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fg.fingerprint_device(t)
-    copies = [e for e in prof.events() if "Memcpy DtoH" in e.name or "memcpy" in e.name.lower()]
-    assert copies, "expected the small result copy"
-    for e in copies:
-        nbytes = getattr(e, "device_memory_usage", 0) or 0
-        assert nbytes <= 8 * 64
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text()).get("traceEvents", [])
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    if not copies:
+        pytest.skip("the profiler recorded no memcpy events (CUPTI unavailable?)")
+    assert all(int(e.get("args", {}).get("bytes", 0)) <= 64 for e in copies), copies
