@@ -39,6 +39,7 @@ def step_times(cfg: RunConfig, tmp: Path, tag: str) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=1, help="A/B pairs per config (interleaved)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_capture.json"))
     args = ap.parse_args()
     training = TrainingConfig(train_iters=args.steps, seq_length=1024, micro_batch_size=1, num_microbatches=4)
@@ -47,7 +48,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for label, (layout, pp) in LAYOUTS.items():
             med = {}
-            for capture in ("losses", "full", "losses", "full"):        # interleaved A/B/A/B
+            for capture in ("losses", "full") * args.repeats:             # interleaved A/B pairs
                 cfg = RunConfig(model=MODEL_1B, training=training, device="cuda", params_dtype="bfloat16",
                                 capture=capture, rank_timeout_s=900,
                                 parallel=ParallelConfig(pipeline_model_parallel_layout=layout,
