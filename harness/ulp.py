@@ -1,0 +1,71 @@
+"""ULP distances between two tensors of the same floating dtype, and the statistics the report shows.
+
+Definition: for IEEE binary formats (fp32, bf16, fp16, fp64) map each bit pattern b of width w to the
+integer line ``o(b) = b`` if the sign bit is clear, else ``2^(w-1) - b`` (sign-magnitude -> two's-complement
+order); the ULP distance of x and y is ``|o(x) - o(y)|`` = the number of representable values between them
+(adjacent floats are 1 apart).  So +0 and -0 are 0 apart, the smallest subnormals on either side of zero
+are 2 apart, and the distance never overflows (computed in Python ints / int64 with w <= 32; fp64 in
+uint64 arithmetic on differences).  NaN: two NaNs (any payload) count as equal-valued but are reported in
+``nan_mismatch`` when only one side is NaN (distance undefined, excluded from max/median).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+def _ordered(bits: np.ndarray, width: int) -> np.ndarray:
+    """Monotone integer line of sign-magnitude bit patterns (int64 for widths <= 32, object ints for 64)."""
+    if width == 64:
+        u = bits.astype(np.uint64).astype(object)
+        sign = 1 << 63
+        return np.array([int(v) if v < sign else sign - int(v) for v in u], dtype=object)
+    mask = (1 << width) - 1
+    u = bits.astype(np.int64) & mask
+    sign = 1 << (width - 1)
+    return np.where(u < sign, u, sign - u)
+
+
+def ulp_distances(a_bits: np.ndarray, b_bits: np.ndarray, width: int) -> np.ndarray:
+    """Element-wise ULP distances of two flat arrays of raw bit patterns of `width` bits (16, 32 or 64)."""
+    return np.abs(_ordered(a_bits, width) - _ordered(b_bits, width))
+
+
+def tensor_stats(a, b, bins: int = 12) -> dict:
+    """Compare two torch tensors of the same floating dtype and shape.
+
+    Returns {dtype, numel, differing, fraction, max_ulp, median_ulp (over differing elements), histogram:
+    [[upper ulp bound, count], ...] on power-of-two buckets, max_abs_err, max_rel_err, nan_mismatch}.
+    Raises ValueError on a dtype/shape mismatch or a non-floating dtype.
+    """
+    import torch
+
+    from reference_impl.fingerprint import raw_bits
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
+    if not a.dtype.is_floating_point:
+        raise ValueError(f"ULP distance is defined for floating dtypes, not {a.dtype}")
+    width = 8 * a.element_size()
+    ab, bb = raw_bits(a), raw_bits(b)
+    av, bv = a.detach().double().cpu().reshape(-1).numpy(), b.detach().double().cpu().reshape(-1).numpy()
+    nan_a, nan_b = np.isnan(av), np.isnan(bv)
+    differing = (ab != bb) & ~(nan_a & nan_b)
+    comparable = differing & ~(nan_a | nan_b)
+    d = ulp_distances(ab[comparable], bb[comparable], width).astype(np.float64)
+    hist = []
+    if d.size:
+        edges = [1, 2, 4, 8, 16, 64, 256, 1024, 2 ** 16, 2 ** 24, float("inf")][:bins]
+        lower = 0
+        for upper in edges:
+            n = int(((d > lower) & (d <= upper)).sum())
+            if n:
+                hist.append([upper if upper != float("inf") else None, n])
+            lower = upper
+    abs_err = np.abs(av[comparable] - bv[comparable])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = abs_err / np.maximum(np.abs(av[comparable]), np.finfo(np.float64).tiny)
+    n = int(av.size)
+    return {"dtype": str(a.dtype).replace("torch.", ""), "numel": n, "differing": int(differing.sum()),
+            "fraction": float(differing.sum() / n) if n else 0.0,
+            "max_ulp": int(d.max()) if d.size else 0, "median_ulp": float(np.median(d)) if d.size else 0.0,
+            "histogram": hist, "max_abs_err": float(abs_err.max()) if abs_err.size else 0.0,
+            "max_rel_err": float(rel.max()) if rel.size else 0.0,
+            "nan_mismatch": int((nan_a ^ nan_b).sum())}
