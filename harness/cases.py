@@ -19,7 +19,7 @@ starts from another case and deep-merges this file's mappings over it)::
         compare_to: other-variant    # reference run (default: the baseline)
         expect: bitwise | diverge
         first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # optional, with diverge;
-                                     # kinds: loss, grad, grad_norm, param
+                                     # kinds: inventory, loss, grad, grad_norm, param
         inject: grad_bit_flip        # test-only planted fault (reference_impl.faults); --inject sets it for all
 
 Every layout is parsed and validated and every schedule is dry-run (`reference_impl.schedule.simulate`)
@@ -69,7 +69,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 class ExpectedDivergence(_Strict):
     step: Optional[int] = Field(None, ge=0)     # None: any step
-    kind: Literal["loss", "grad", "grad_norm", "param"]
+    kind: Literal["inventory", "loss", "grad", "grad_norm", "param"]
     name: Optional[str] = None
     microbatch: Optional[int] = None
 

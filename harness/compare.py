@@ -1,4 +1,8 @@
-"""Bitwise comparison of two canonical traces and localisation of the first divergence.
+"""Bitwise comparison of two canonical traces and localisation of the first divergence; structural checks.
+
+Structural checks, before any number: the parameter inventory (`inventory_diff`: global name, shape,
+dtype, weight-decay group of every parameter) must equal the reference run's, else the first divergence is
+``inventory`` at step 0; and, within each run, every replica must match its original (`replica_status`).
 
 Walk order (the order in which one training step produces its numbers): steps ascending; within a step,
 losses (microbatches ascending; lm then mtp_1..mtp_D; then the reported lm loss) before gradients (canonical
@@ -18,7 +22,7 @@ from .trace import Trace
 @dataclass
 class Comparison:
     """bitwise_equal: every compared bit equal.  family_mismatches: {"grad"|"param": [{family: count}] per step}.
-    inventory: one line per parameter key present in only one of the runs."""
+    inventory: one line per parameter whose inventory entry differs (`inventory_diff`), canonical order."""
 
     bitwise_equal: bool
     first_divergence: Optional[FirstDivergence]
@@ -47,6 +51,68 @@ def ulp_distance(a_hex: str, b_hex: str) -> int:
     return abs(ordered(a) - ordered(b))
 
 
+#: Inventory fields that must agree between two runs (besides presence): a different value trains a
+#: different model (shape, dtype) or optimises it differently (the optimizer's weight-decay group).
+INVENTORY_FIELDS = ("shape", "dtype", "weight_decay")
+
+
+def inventory_diff(base: Trace, other: Trace) -> list[str]:
+    """Differences between the parameter inventories of two runs, one line per key, in canonical order.
+
+    A parameter (non-replica key) held by only one run is a difference; so is a key held by both whose
+    shape, dtype or weight-decay group differ.  A replica that only one layout needs (P=1 megatron has no
+    ``@mtp`` copy) is not a difference, but a replica both hold is compared like any parameter.
+    """
+    def position(k):
+        meta = base.params.get(k) or other.params[k]
+        return meta["order"], meta["replica"] or ""
+    lines = []
+    for k in sorted(set(base.params) | set(other.params), key=position):
+        b, o = base.params.get(k), other.params.get(k)
+        if b is None or o is None:
+            if (b or o)["replica"] is None:
+                lines.append(f"{k}: only in the {'baseline' if o is None else 'variant'}")
+            continue
+        fields = [f"{f} {b.get(f)!r} (baseline) vs {o.get(f)!r}" for f in INVENTORY_FIELDS if b.get(f) != o.get(f)]
+        if fields:
+            lines.append(f"{k}: " + ", ".join(fields))
+    return lines
+
+
+def replica_status(trace: Trace) -> dict:
+    """Whether every replica of a logical parameter (``embedding.word_embeddings.weight@mtp``) matches its
+    original within one run: same shape/dtype/weight-decay group, same initial value, and after every step
+    the same gradient (after the replica sum) and the same value after the optimizer step.
+
+    Returns ``{"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}``;
+    a run without replicas is consistent.  A broken replica means the copies train apart: the MTP stage
+    then looks up embeddings the first stage no longer has.
+    """
+    pairs = [(k, trace.params[k]["name"]) for k in trace.order if trace.params[k]["replica"] is not None]
+    replicas = [k for k, _ in pairs]
+
+    def broken(step, detail):
+        return {"consistent": False, "first_broken_step": step, "replicas": replicas, "detail": detail}
+    for key, orig in pairs:
+        if orig not in trace.params:
+            return broken(0, f"{key}: its original {orig} is not in the run")
+        fields = [f"{f} {trace.params[key].get(f)!r} vs {trace.params[orig].get(f)!r}" for f in INVENTORY_FIELDS
+                  if trace.params[key].get(f) != trace.params[orig].get(f)]
+        if fields:
+            return broken(0, f"{key}: " + ", ".join(fields) + f" of {orig}")
+        if trace.init.get(key) != trace.init.get(orig):
+            return broken(0, f"{key}: initial value {trace.init.get(key)} vs {trace.init.get(orig)} of {orig}")
+    for st in trace.steps:
+        for what, fps in (("gradient", st.grads), ("value after the optimizer step", st.params)):
+            for key, orig in pairs:
+                if fps.get(key) != fps.get(orig):
+                    return broken(st.step, f"{key}: {what} at step {st.step} {fps.get(key)} vs "
+                                           f"{fps.get(orig)} of {orig}")
+    detail = (f"{len(replicas)} replica(s) match their originals at init and after all {len(trace.steps)} steps"
+              if replicas else "no replicas in this run")
+    return {"consistent": True, "first_broken_step": None, "replicas": replicas, "detail": detail}
+
+
 def _loss_diffs(base_step, other_step):
     """Yield (microbatch, name, base, other) for the loss entries that differ, in walk order."""
     for b, o in zip(base_step.losses, other_step.losses):
@@ -65,19 +131,18 @@ def _loss_diffs(base_step, other_step):
 def compare(base: Trace, other: Trace) -> Comparison:
     """Compare `other` with `base` bit for bit (fingerprints and loss bits).
 
-    Parameter keys present in only one run are an inventory difference: reported as a `param` divergence
-    at step 0 (the runs do not train the same model).  Replica keys (``@mtp``) are compared when both runs
-    hold them; a replica that only one layout needs is not an inventory difference.
+    An inventory difference (`inventory_diff`) is the first divergence, kind ``inventory`` at step 0, named
+    after the first differing parameter: the runs do not train the same model.  The numbers are still
+    compared for the keys both hold (for the mismatch counts).  Replica keys (``@mtp``) are compared when
+    both runs hold them.
     """
-    primaries = lambda t: [k for k in t.order if t.params[k]["replica"] is None]  # noqa: E731
-    missing = [f"{k}: only in the baseline" for k in primaries(base) if k not in other.params]
-    missing += [f"{k}: only in the variant" for k in primaries(other) if k not in base.params]
+    inventory = inventory_diff(base, other)
     keys = [k for k in base.order if k in other.params]
     families = {k: base.params[k]["family"] for k in keys}
     first: Optional[FirstDivergence] = None
-    if missing:
-        first = FirstDivergence(step=0, kind="param", microbatch=None, name=missing[0].split(":")[0],
-                                detail=f"parameter inventory differs ({len(missing)}): " + "; ".join(missing[:5]))
+    if inventory:
+        first = FirstDivergence(step=0, kind="inventory", microbatch=None, name=inventory[0].split(":")[0],
+                                detail=f"parameter inventory differs ({len(inventory)}): " + "; ".join(inventory[:5]))
     counts = {"grad": [], "param": []}
     norm_ulps = []
     for bs, os_ in zip(base.steps, other.steps):
@@ -113,4 +178,4 @@ def compare(base: Trace, other: Trace) -> Comparison:
         first = FirstDivergence(step, "loss", None, "steps",
                                 f"baseline has {len(base.steps)} steps, variant {len(other.steps)}")
     return Comparison(bitwise_equal=first is None, first_divergence=first, family_mismatches=counts,
-                      inventory=missing, grad_norm_ulps=norm_ulps)
+                      inventory=inventory, grad_norm_ulps=norm_ulps)

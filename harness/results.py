@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 Verdict = Literal["pass", "fail", "error"]
-DivergenceKind = Literal["loss", "grad", "grad_norm", "param"]
+DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "param"]
 
 #: Parameter families used to group mismatches (see `reference_impl.names.family`).
 FAMILIES = ("embedding/head", "attention", "dense mlp", "router", "experts", "shared expert", "norms", "mtp")
@@ -18,9 +18,11 @@ FAMILIES = ("embedding/head", "attention", "dense mlp", "router", "experts", "sh
 class FirstDivergence:
     """The earliest difference from the baseline.
 
-    Ordered by step, then kind (loss < grad < grad_norm < param), then microbatch (losses) or canonical
-    parameter order (grads/params).  `name` is `lm` / `mtp_1`… for losses and the global parameter
-    name otherwise; `detail` is a human sentence with both bit patterns.
+    Ordered by step, then kind (inventory < loss < grad < grad_norm < param), then microbatch (losses) or
+    canonical parameter order (grads/params).  ``inventory`` (always step 0, before training): the two runs
+    do not hold the same parameters (name, shape, dtype, weight-decay group); `name` is the first differing
+    parameter.  `name` is `lm` / `mtp_1`… for losses and the global parameter name otherwise; `detail` is a
+    human sentence with both bit patterns (or both inventory entries).
     """
 
     step: int
@@ -74,6 +76,12 @@ class VariantResult:
     # {rank, start, end, op: "F"|"B", stage, microbatch}; and the idle fraction of rank-time
     timeline: list = field(default_factory=list)
     bubble_fraction: Optional[float] = None
+    # parameter-inventory differences from the reference run, one line each, in canonical order
+    # ("<key>: only in the baseline", "<key>: weight_decay True (baseline) vs False"); empty when equal
+    inventory: list = field(default_factory=list)
+    # this run's own replicas vs their originals (`harness.compare.replica_status`):
+    # {"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}; {} on error
+    replica_status: dict = field(default_factory=dict)
 
 
 @dataclass

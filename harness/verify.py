@@ -1,7 +1,9 @@
 """`bitparity verify`: run every variant of a case, compare each with the baseline, write the report.
 
 Everything is written into ``<out>/.<case>.partial/`` and moved to ``<out>/<case>/`` only when complete,
-so an interrupted or failed harness never leaves a half-written report.
+so an interrupted or failed harness never leaves a half-written report.  Next to each run's ``manifest.json``
+and ``trace.json``, ``comparison.json`` holds its verdict, first divergence, parameter-inventory differences
+and replica status (`_comparison_record`).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dataclasses import asdict
 from reference_impl.schedule import build_schedule, serialise, timeline
 
 from .cases import CasePlan, PlannedRun
-from .compare import Comparison, compare
+from .compare import Comparison, compare, replica_status
 from .errors import UsageError
 from .report import write_report
 from .results import CaseResult, StepSeries, VariantResult
@@ -96,27 +98,50 @@ def _series(trace: Optional[Trace], cmp: Optional[Comparison]) -> StepSeries:
     return s
 
 
-def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str]) -> tuple[str, str]:
-    """(verdict, one-line reason) for a variant from its expectation and comparison."""
+def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
+          replicas: Optional[dict] = None) -> tuple[str, str]:
+    """(verdict, one-line reason) for a variant from its expectation, comparison and replica status.
+
+    Structural failures come first: a parameter inventory that differs from the reference run's fails
+    unless the variant expects exactly that (``first_divergence: {kind: inventory}``); a replica that
+    drifted from its original (`harness.compare.replica_status`) fails the baseline and every
+    ``expect: bitwise`` variant.
+    """
     if error:
         return "error", error.splitlines()[0]
+    broken = replicas is not None and replicas.get("consistent") is False
+    replica_why = f"replica inconsistent from step {replicas['first_broken_step']}: {replicas['detail']}" \
+        if broken else ""
     if run.is_baseline:
-        return "pass", "reference run: completed (compared with itself)"
+        return ("fail", f"reference run: {replica_why}") if broken else \
+            ("pass", "reference run: completed (compared with itself)")
     fd, exp = cmp.first_divergence, run.spec
     where = f"first divergence: step {fd.step} {fd.kind} {fd.name}" if fd else ""
     ref = exp.compare_to or "the baseline"
+    want = exp.first_divergence
+    if cmp.inventory and not (exp.expect == "diverge" and want and want.kind == "inventory"):
+        return "fail", f"parameter inventory differs from {ref} ({len(cmp.inventory)}): {cmp.inventory[0]}"
     if exp.expect == "bitwise":
-        return ("pass", f"bitwise equal to {ref}") if cmp.bitwise_equal else \
-            ("fail", f"expected bitwise equality; {where}")
+        if not cmp.bitwise_equal:
+            return "fail", f"expected bitwise equality; {where}" + (f"; {replica_why}" if broken else "")
+        return ("fail", f"bitwise equal to {ref}, but {replica_why}") if broken else \
+            ("pass", f"bitwise equal to {ref}")
     if cmp.bitwise_equal:
         return "fail", f"expected a divergence but the run is bitwise equal to {ref}"
-    want = exp.first_divergence
     if want:
         mismatch = [f"{k} {getattr(fd, k)!r} (expected {getattr(want, k)!r})" for k in ("step", "kind", "name",
                     "microbatch") if getattr(want, k) is not None and getattr(want, k) != getattr(fd, k)]
         if mismatch:
             return "fail", "diverged elsewhere than expected: " + ", ".join(mismatch)
     return "pass", f"diverges as expected; {where}"
+
+
+def _comparison_record(v: VariantResult) -> dict:
+    """``runs/<variant>/comparison.json``: the verdict and the structural checks of one variant."""
+    return {"format": "bitparity-comparison/1", "variant": v.name, "compare_to": v.compare_to,
+            "verdict": v.verdict, "reason": v.reason, "bitwise_equal": v.bitwise_equal,
+            "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
+            "inventory": v.inventory, "replica_status": v.replica_status}
 
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
@@ -170,7 +195,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         error = outcome.error if not outcome.ok else (
             None if ref is not None else f"reference run {ref_name!r} did not run, nothing to compare with")
         cmp = compare(ref, trace) if error is None else None
-        verdict, reason = judge(run, cmp, error)
+        replicas = replica_status(trace) if trace is not None else {}
+        verdict, reason = judge(run, cmp, error, replicas)
         variants.append(VariantResult(
             name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
@@ -181,7 +207,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             run_dir=str(dirs[name]), compare_to=ref_name,
             command=shlex.join(["bitparity", "verify", str(plan.path), "--only", name, "--out", str(out_root)]),
             reductions=t.reductions, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
-            bubble_fraction=bubble))
+            bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas))
+        (work / dirs[name] / "comparison.json").write_text(json.dumps(_comparison_record(variants[-1]), indent=1))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads
     env["device"] = plan.spec.device

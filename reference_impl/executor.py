@@ -10,8 +10,11 @@ guarantees the order; megatron-semantics §4 "Gradient accumulation").
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from . import faults
 from .model.chunk import Microbatch, StageChunk
 from .model.losses import LossOutput
 from .schedule import Action
@@ -21,12 +24,14 @@ def _tag(direction: str, sender_stage: int, microbatch: int, num_microbatches: i
     return (sender_stage * 2 + (direction == "B")) * num_microbatches + microbatch
 
 
-def accumulate_main_grads(chunk: StageChunk) -> None:
+def accumulate_main_grads(chunk: StageChunk, num_microbatches: int = 1, inject: Optional[str] = None) -> None:
     """``main_grad += grad`` (fp32, whatever the param dtype) for every parameter that received a gradient,
-    then drop ``.grad`` (Megatron's DDP grad-accumulation hook)."""
+    then drop ``.grad`` (Megatron's DDP grad-accumulation hook).  `num_microbatches` and `inject` only
+    matter for the planted fault ``rescale_grads_per_microbatch``."""
     for p in chunk.parameters():
         if p.grad is not None:
-            p.main_grad.add_(p.grad.float() if p.grad.dtype != torch.float32 else p.grad)
+            grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad
+            p.main_grad.add_(faults.microbatch_grad(inject, grad, num_microbatches))
             p.grad = None
 
 
@@ -34,11 +39,14 @@ class StepExecutor:
     """Executes a list of `Action` for the chunks of one rank.
 
     chunks: flat stage index -> `StageChunk`.  ``run(actions, microbatches)`` returns the `LossOutput` of
-    each microbatch computed on this rank (loss stage only), in microbatch order.
+    each microbatch computed on this rank (loss stage only), in microbatch order.  `inject`: a planted fault
+    (`reference_impl.faults`).
     """
 
-    def __init__(self, chunks: dict[int, StageChunk], num_microbatches: int, transport, dtype: torch.dtype):
+    def __init__(self, chunks: dict[int, StageChunk], num_microbatches: int, transport, dtype: torch.dtype,
+                 inject: Optional[str] = None):
         self.chunks, self.m, self.transport, self.dtype = chunks, num_microbatches, transport, dtype
+        self.inject = inject
 
     def run(self, actions: list[Action], microbatches: list[Microbatch]) -> list[LossOutput]:
         inputs: dict = {}       # (stage, mb) -> received activation (requires grad)
@@ -64,7 +72,9 @@ class StepExecutor:
                     grads_in[key] = buf
             elif a.op == "F":
                 x = inputs.pop(key, None)
-                out = self.chunks[a.stage](x, microbatches[a.microbatch])
+                chunk = self.chunks[a.stage]
+                mb = faults.loss_input_microbatch(self.inject, a.microbatch, chunk.has_loss and x is not None)
+                out = chunk(x, microbatches[mb])
                 stash[key] = (x, out)
                 if isinstance(out, LossOutput):
                     losses[a.microbatch] = out
@@ -77,7 +87,7 @@ class StepExecutor:
                     torch.autograd.backward(out.objective)
                 else:
                     torch.autograd.backward(out, grads_in.pop(key))
-                accumulate_main_grads(self.chunks[a.stage])
+                accumulate_main_grads(self.chunks[a.stage], self.m, self.inject)
                 if x is not None:
                     stash[("grad",) + key] = x.grad
             elif a.op == "SEND_B":

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import names
+from . import faults, names
 
 
 class EmbeddingSync:
@@ -44,8 +44,8 @@ class EmbeddingSync:
     the MTP stage's replica; when both are on this rank (canonical P=1) the sum is local, ``first + mtp``.
     """
 
-    def __init__(self, layout, rank: int, params, transport):
-        self.transport = transport
+    def __init__(self, layout, rank: int, params, transport, inject: Optional[str] = None):
+        self.transport, self.inject = transport, inject
         self.local = {replica: p for _, name, replica, p, _ in params if name == names.EMBEDDING}
         self.group = None
         if layout.mtp_stage is not None:
@@ -56,6 +56,8 @@ class EmbeddingSync:
 
     @torch.no_grad()
     def __call__(self) -> None:
+        if not faults.syncs_embedding_replica(self.inject):
+            return
         if len(self.local) == 2:
             first, mtp = self.local[None], self.local["mtp"]
             first.main_grad.add_(mtp.main_grad)
@@ -65,13 +67,14 @@ class EmbeddingSync:
             self.transport.all_reduce(p.main_grad, group=self.group)
 
 
-def grad_norm(mode: str, params, transport) -> torch.Tensor:
+def grad_norm(mode: str, params, transport, inject: Optional[str] = None) -> torch.Tensor:
     """Global L2 norm of the non-replica ``main_grad`` s of all ranks (collective: every rank calls it).
 
     params: this rank's (key, name, replica, param, order) tuples.  Returns fp32 (megatron) or fp64
-    (canonical) scalar tensor, identical on every rank.
+    (canonical) scalar tensor, identical on every rank.  `inject`: a planted fault (`reference_impl.faults`).
     """
-    local = [(order, key, p.main_grad) for key, _, replica, p, order in params if replica is None]
+    counted = lambda replica: replica is None or faults.norm_counts_replicas(inject)  # noqa: E731
+    local = [(order, key, p.main_grad) for key, _, replica, p, order in params if counted(replica)]
     if mode == "megatron":
         norms = [torch.linalg.vector_norm(g) for _, _, g in local]
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=transport.device)

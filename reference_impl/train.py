@@ -30,7 +30,8 @@ class RankState:
     """The chunks of one rank and their parameter bookkeeping.
 
     ``params``: (key, global name, replica tag, parameter, canonical order key) per parameter, in chunk order;
-    each parameter carries an fp32 ``main_grad``.
+    each parameter carries an fp32 ``main_grad``.  ``weight_decay``: key -> whether it is in the optimizer's
+    decay group (the one source for both the optimizer and the trace header).
     """
 
     def __init__(self, cfg: RunConfig, rank: int, transport):
@@ -44,6 +45,7 @@ class RankState:
         self.chunks = {s: StageChunk(model, self.layout, s, t.num_microbatches, separate, cfg.inject)
                        for s in self.layout.stages_of_rank(rank)}
         self.params = []
+        self.weight_decay: dict[str, bool] = {}
         within: dict = {}
         for chunk in self.chunks.values():
             named = list(chunk.global_parameters())
@@ -55,16 +57,17 @@ class RankState:
                 p.main_grad = torch.zeros_like(p, dtype=torch.float32)
                 # fp32 master weights for the optimizer (Megatron's bf16 optimizer); fp32 params are their own
                 p.master = p if p.dtype == torch.float32 else p.detach().float().clone()
-                self.params.append((names.replica_key(name, replica), name, replica, p,
-                                    (*sec, within[(sec, replica)])))
+                key = names.replica_key(name, replica)
+                self.params.append((key, name, replica, p, (*sec, within[(sec, replica)])))
+                self.weight_decay[key] = faults.weight_decay(cfg.inject, name, names.is_matrix(name, p.ndim))
             for layer in chunk.moe_layers():
-                layer.aux_loss_scale = 1.0 / t.num_microbatches
+                layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)
 
     def header(self) -> dict:
         """The trace header record: parameter inventory with canonical order keys."""
         inventory = [{"key": key, "name": name, "replica": replica, "shape": list(p.shape),
                       "dtype": str(p.dtype).replace("torch.", ""), "family": names.family(name),
-                      "weight_decay": names.is_matrix(name, p.ndim), "order": list(order)}
+                      "weight_decay": self.weight_decay[key], "order": list(order)}
                      for key, name, replica, p, order in self.params]
         return {"type": "header", "format": FORMAT, "rank": self.rank, "world_size": dist.get_world_size(),
                 "stages": sorted(self.chunks), "params": inventory,
@@ -90,8 +93,8 @@ def make_optimizer(state: RankState) -> torch.optim.Optimizer:
     """AdamW (β1, β2 from the config), weight decay on matrices only; the single-tensor (non-foreach)
     implementation so each parameter's update depends on nothing but its own tensors."""
     t = state.cfg.training
-    decay = [p.master for _, name, _, p, _ in state.params if names.is_matrix(name, p.ndim)]
-    no_decay = [p.master for _, name, _, p, _ in state.params if not names.is_matrix(name, p.ndim)]
+    decay = [p.master for key, _, _, p, _ in state.params if state.weight_decay[key]]
+    no_decay = [p.master for key, _, _, p, _ in state.params if not state.weight_decay[key]]
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
@@ -108,9 +111,9 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
     actions = build_schedule(layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
                              cfg.model.hidden_size)[rank]
     actions = faults.schedule(cfg.inject, actions, layout, rank)
-    sync_embedding = EmbeddingSync(layout, rank, state.params, transport)
+    sync_embedding = EmbeddingSync(layout, rank, state.params, transport, cfg.inject)
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, cfg.model.vocab_size)
-    executor = StepExecutor(state.chunks, t.num_microbatches, transport, state.dtype)
+    executor = StepExecutor(state.chunks, t.num_microbatches, transport, state.dtype, cfg.inject)
     optimizer = make_optimizer(state)
     writer = TraceWriter(trace_path)
     writer.write(state.header())
@@ -128,7 +131,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
         record = {"type": "step", "step": step, "grads": state.fingerprints("main_grad"),
                   "grad_norm": None, "clip_coeff": None, "clipped": None}
         if t.clip_grad > 0:
-            norm = grad_norm(t.reductions, state.params, transport)
+            norm = grad_norm(t.reductions, state.params, transport, cfg.inject)
             coeff, clipped = clip(norm, t.clip_grad, state.params)
             record.update(grad_norm=scalar(norm), clip_coeff=scalar(coeff), clipped=clipped)
         for *_, p, _ in state.params:

@@ -57,6 +57,7 @@ class StageChunk(nn.Module):
         self.has_mtp = bool(layout.mtp_layer_ids(flat))
         self.has_loss = "L" in symbols
         self.has_final_norm = flat == layout.last_decoder_stage
+        self.applies_final_norm = self.has_final_norm and faults.applies_final_norm(inject, layout)
         moe = cfg.moe_layers
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, moe=bool(moe[i]))
@@ -104,15 +105,20 @@ class StageChunk(nn.Module):
         cos, sin = self.rope(mb.tokens.shape[1], mb.tokens.device, h.dtype)
         for layer in self.decoder.layers.values():
             h, computed = layer(h, cos, sin), True
-        if self.has_final_norm:
+        if self.applies_final_norm:
             h, computed = self.decoder.final_layernorm(h), True
         if self.has_mtp:
             embed = self.mtp_embedding if hasattr(self, "mtp_embedding") else self.embedding
             h = faults.mtp_input(self.inject, self.symbols, h)
-            h, computed = self.mtp(h, mb.tokens, embed, cos, sin), True
+            h_mtp = faults.mtp_layers_input(self.inject, h, getattr(self.decoder, "final_layernorm", None))
+            out = self.mtp(h_mtp, mb.tokens, embed, cos, sin)
+            if h_mtp is not h:      # planted fault: only the MTP layers saw the changed h0, the main path keeps h
+                out = torch.cat((h, out[h.shape[0]:]), dim=0)
+            h, computed = out, True
         if self.has_loss:
             return lm_and_mtp_loss(self.output_layer, h, mb.labels, mb.loss_mask, self.cfg.mtp_num_layers,
-                                   self.cfg.mtp_loss_scaling_factor, self.num_microbatches)
+                                   self.cfg.mtp_loss_scaling_factor,
+                                   faults.loss_divisor(self.inject, self.num_microbatches), inject=self.inject)
         # An empty stage passes its input on as a new tensor, like Megatron's empty TransformerBlock.
         return h if computed else h.clone()
 

@@ -5,10 +5,12 @@ All computed on the loss stage with the one untied output head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.nn import functional as F
 
+from .. import faults
 from .common import LossAutoScaler, roll_left
 
 
@@ -33,20 +35,20 @@ def token_ce(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) 
 
 
 def lm_and_mtp_loss(head, hidden, labels, loss_mask, mtp_num_layers: int, mtp_loss_scaling_factor: float,
-                    num_microbatches: int) -> LossOutput:
+                    num_microbatches: int, inject: Optional[str] = None) -> LossOutput:
     """Megatron's ``process_mtp_loss`` then the main loss, in that forward order.
 
     hidden [(1+D)·s, b, h]: chunk 0 feeds the main loss, chunk k the depth-k loss against labels and mask
     rolled left k times.  The MTP loss ``(factor/D)·sum(CE_k·mask_k)/num_tokens_k`` enters through an identity
     node on chunk 0 with backward seed 1/num_microbatches; the objective is
-    ``sum(CE·mask)/clamp(num_tokens,1)/num_microbatches``.
+    ``sum(CE·mask)/clamp(num_tokens,1)/num_microbatches``.  `inject`: a planted fault (`reference_impl.faults`).
     """
     chunks = torch.chunk(hidden, 1 + mtp_num_layers, dim=0)
     h0 = chunks[0]
     mtp_labels, mtp_mask, mtp_losses = labels, loss_mask, []
     for k in range(1, 1 + mtp_num_layers):
         mtp_labels, mtp_mask = roll_left(mtp_labels), roll_left(mtp_mask)
-        num_k = mtp_mask.sum().clamp(min=1)
+        num_k = faults.mtp_token_count_mask(inject, mtp_mask, loss_mask).sum().clamp(min=1)
         loss_k = (token_ce(head, chunks[k], mtp_labels) * mtp_mask).sum() / num_k
         mtp_losses.append(loss_k.detach())
         h0 = LossAutoScaler.apply(h0, (mtp_loss_scaling_factor / mtp_num_layers) * loss_k, 1.0 / num_microbatches)
