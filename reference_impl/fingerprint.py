@@ -83,11 +83,8 @@ def fingerprint_hex_many(tensors: list) -> list[str]:
     out: list = [None] * len(tensors)
     cuda = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
     if cuda:
-        try:
-            from .fingerprint_gpu import fingerprint_many
-        except ImportError:          # no Triton: correct, but copies each tensor to the host
-            fingerprint_many = None
-        if fingerprint_many is not None:
-            for i, v in zip(cuda, fingerprint_many([tensors[i] for i in cuda])):
+        from . import fingerprint_gpu
+        if fingerprint_gpu.available():     # else (no Triton): correct, but copies each tensor to the host
+            for i, v in zip(cuda, fingerprint_gpu.fingerprint_many([tensors[i] for i in cuda])):
                 out[i] = f"{v:016x}"
     return [o if o is not None else fingerprint_hex(t) for o, t in zip(out, tensors)]

@@ -19,7 +19,8 @@ bits).  The accumulators start at zero (one fill kernel per call).
   gradients (one dtype, allocator-aligned) costs 1-3 launches + 1 fill, whatever the number of tensors.
 * Index-mix sharing: ``mix(i + 1)`` depends only on the index, so tensors with the same element size and the
   same numel (the same-shaped weights of every layer / expert) are processed G = 2 or 4 at a time by one
-  program that computes ``mix(i + 1)`` once and applies it to G tensors (`share=`, default 4).
+  program that computes ``mix(i + 1)`` once and applies it to G tensors (`share=`, default 4; a group of n
+  same-sized tensors is split into 4s, then 2s, then 1s, so nothing is padded).
 * Non-contiguous views of up to 4 dims (after merging dims that are contiguous with each other) use
   `_strided_kernel`: one launch per such tensor, the element address computed in-kernel from the C-order
   index (integer div/mod per element: slower per element than the contiguous path, but no copy and no extra
@@ -29,33 +30,55 @@ bits).  The accumulators start at zero (one fill kernel per call).
 Cost and expected bottleneck
 ----------------------------
 Per element the definition needs two splitmix64 finalisers (``mix(i+1)`` and ``mix(k_i)``): 6 xor-shifts and
-4 multiplications by 64-bit constants.  GPUs have no 64-bit integer ALU: a 64-bit xor-shift is 2 funnel /
-plain shifts + 2 LOP3 (4 ALU-pipe instructions); a 64x64 -> 64 multiply by a constant is IMAD.WIDE.U32 + 2
-IMAD (3 FMA-pipe instructions).  With the tricks below about 35 SASS instructions per element remain
-(~24 ALU-pipe, ~11-14 FMA-pipe).  An H100/H200 SM issues 4 warp-instructions per clock but each integer pipe
-takes 16 lanes per SM sub-partition, i.e. 64 lane-ops/clk/SM per pipe, so the ALU pipe caps the kernel at
-about 64/24 = 2.7 elements/clk/SM = ~6.5e11 elements/s on 132 SMs at 1.83 GHz: ~2.6 TB/s for 4-byte elements
-(close to the HBM read limit, so fp32 / fp64 should be memory bound) but only ~1.3 TB/s for 2-byte and
-~0.65 TB/s for 1-byte elements, which are integer-issue bound.  The tricks:
+4 multiplications by 64-bit constants.  GPUs have no 64-bit integer ALU: a 64-bit xor-shift is 2 shifts (one
+a funnel shift) + 2 LOP3, all on the ALU pipe; a 64x64 -> 64 multiply by a constant is IMAD.WIDE.U32 + 2-3
+IMAD on the FMA pipe.  The sm_90 SASS of the main loop (compiled offline with Triton 3.6, 3.7 and 3.9 and
+counted per element, default variant):
+
+    unshared (G = 1):     ~39 instructions / element, ~22-25 of them on the ALU pipe, ~16 on the FMA pipe
+    shared by G = 2 / 4:  ~30 / ~25 per element,       ~18 / ~15 ALU
+
+Each Hopper SM sub-partition issues 1 warp-instruction per clock, but its ALU and FMA-heavy pipes are 16
+lanes wide (2 clocks per warp-instruction; IMAD.WIDE / IMAD.HI take 2 issues of the FMA pipe), so the ALU pipe
+is the bottleneck: 64 / ~23 = ~2.8 elements/clk/SM, i.e. ~6.4-7.3e11 elements/s on 132 SMs at 1.75-1.98 GHz:
+
+    4-byte elements (fp32):  ~2.6-2.9 TB/s of reads  - close to the memory limit of a read-only stream
+    2-byte elements (bf16):  ~1.3-1.5 TB/s           - integer-issue bound
+    1-byte elements:         ~0.65-0.7 TB/s          - integer-issue bound
+    8-byte elements:         memory bound
+    G = 4 sharing:           ~1.5x the above for the issue-bound dtypes (bf16 ~2 TB/s)
+
+A device-to-device copy reads and writes every byte, so its read bandwidth is about half the HBM bandwidth
+(~2.0-2.2 TB/s of reads on an H200): fp32 / fp64 should beat it, 2-byte dtypes reach it only with sharing.
+What the code does to get there:
 
 * index < 2^32 (`IDX` <= 32, decided per launch): ``i + 1`` is a 32-bit value, so the first multiply is one
   IMAD.WIDE + one IMAD and the first xor-shift is 32-bit; index < 2^30 (`IDX` == 30, every tensor with fewer
   than 2^30 - 1 elements): ``(i+1) >> 30 == 0`` and the first xor-shift disappears.
 * element size <= 2: ``x < 2^30`` so ``k ^ (k >> 30) == m' ^ x`` with ``m' = m ^ (m >> 30)``; the first
   xor-shift of ``mix(k)`` moves to the index side, where it is shared by the G tensors of a group.
-* variant ``"u32"`` (default) writes everything on explicit 32-bit halves so these facts are visible to the
-  compiler; ``"u32mh"`` additionally computes the high-half right shifts as ``umulhi(h, 2^(32-s))`` (FMA
-  pipe instead of ALU pipe) to balance the two integer pipes (~19 + ~19 instead of 24 + 14: ~20% more for
-  the issue-bound dtypes if ptxas keeps the IMAD.HI); ``"u64"`` is the plain uint64 formulation, left to the
-  compiler.  All variants give identical results (tests run all three); `bench/bench_fingerprint_gpu.py`
-  measures them.
-* index-mix sharing (above) removes ~14 of the ~35 instructions per element for all but one of each group.
+* index-mix sharing (above) removes ~14 of the ~39 instructions per element for all but one tensor of a group.
+* unmasked 16-byte vector loads for full blocks (only a tensor's last block is masked), software-pipelined:
+  the next sub-block is loaded before the current one is hashed; <= 128 registers so two 256-thread programs
+  fit an SM.
+* variants (`VARIANTS`; all give identical results, the tests run every one): ``"u64"`` (default) is plain
+  uint64 code, which LLVM / ptxas lower well (it puts the carry of the 64-bit accumulate on the FMA pipe);
+  ``"u32"`` spells out the 32-bit halves; ``"u32mh*"`` compute the high-half right shifts as
+  ``umulhi(h, 2^(32-s))`` with 2^(32-s) passed at run time, moving 3-5 instructions per element from the ALU
+  to the FMA pipe (a win only if IMAD.HI issues at full rate).  `bench/bench_fingerprint_gpu.py` measures them
+  and a few launch geometries; `DEFAULT` holds the choice.
 
-Launch geometry: ``num_warps`` warps, each thread loads ``vec`` 16-byte vectors per iteration (``SUB``
-elements per iteration), ``nsub`` iterations per program (``BLOCK = nsub * SUB`` indices per program and
-group member); full blocks use unmasked vector loads, only the last block of a tensor is masked.
+Launch geometry (`DEFAULT`): ``num_warps`` warps; ``ept`` elements per thread per iteration for unshared
+tensors (``ept_shared`` per tensor in groups, ``ept_strided`` for strided views; capped at 64 bytes);
+``nsub`` iterations per program, so a program covers ``BLOCK = nsub * num_warps * 32 * ept`` indices of each
+tensor of its group.
 
-Without Triton the module still imports (`HAVE_TRITON` is False); the functions then raise
+`fingerprint_many_async` launches without waiting and returns a `PendingFingerprints` (`.result()`,
+`.hex()`): the kernels run on the current stream, so they can overlap host work.  Plans (the device tables)
+are cached by the tensors' pointers, dtypes, shapes and strides: the same gradient buffers every step cost a
+dictionary lookup (~1 ms of host time for 2000 tensors) and no host-to-device copy.
+
+Without Triton the module still imports (`HAVE_TRITON` / `available()` are False); the functions then raise
 `TritonUnavailableError` (an ImportError) for CUDA tensors.  CPU tensors are fingerprinted with the
 reference implementation, except under ``TRITON_INTERPRET=1`` (set before this module is imported) where
 they run through the same kernels in Triton's interpreter (that is how the kernels are tested without a GPU).

@@ -1,0 +1,321 @@
+"""Benchmark: on-device fingerprint throughput (reference_impl/fingerprint_gpu.py) against a device-to-device
+copy of the same bytes (goal: >= 0.8 of the copy's read bandwidth, bytes read / time), plus a naive torch int64
+implementation of the same hash for reference.
+
+    python bench/bench_fingerprint_gpu.py [--out bench/results/fingerprint_gpu.json] [--no-sweep] [--quick]
+    TRITON_INTERPRET=1 python bench/bench_fingerprint_gpu.py --smoke-cpu   # the script's logic, on CPU, tiny sizes
+
+1. sweep (256 MiB, fp32 and bf16): every code variant at the default geometry, then a few geometries with the
+   best variant - the numbers to choose `fingerprint_gpu.DEFAULT` from;
+2. single tensors of 64 MiB, 256 MiB, 1 GiB (fp32, bf16): fingerprint vs copy_ vs naive torch hash;
+3. a gradient-like list (~2000 tensors, ~1.2e9 fp32 parameters, scaled down if memory is short):
+   fingerprint_many vs one flat copy of the same bytes and vs torch._foreach_copy_.
+
+Device times use CUDA events with the GPU held busy (torch.cuda._sleep) while the host queues the launches,
+so they exclude Python overhead; "e2e" columns are wall-clock times of the full call (host work, launches,
+the 8-byte read-back).  Every measured fingerprint is checked against the CPU reference (or, for the largest
+tensors, against the device result of the other code variants and the naive torch hash).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from reference_impl import fingerprint_gpu as fg  # noqa: E402
+from reference_impl.fingerprint import _header, _mix, fingerprint  # noqa: E402
+
+GOAL = 0.8
+MiB = 1 << 20
+SLEEP_CYCLES = 4_000_000          # ~2 ms of GPU busy-wait so the host can queue the timed launches
+DEVICE = "cuda"                   # "cpu" only for --smoke-cpu (Triton interpreter, tiny sizes, no real timing)
+SIZES = {"sweep": 256 * MiB, "single": [64 * MiB, 256 * MiB, 1024 * MiB], "many_params": 2e9, "layers": 25}
+
+
+# --- timing ------------------------------------------------------------------------------------------------------
+
+def device_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median device time (ms) of fn() between two CUDA events; fn may return an object with .result(), called
+    after the end event (the read-back is not part of the device time)."""
+    for _ in range(warmup):
+        r = fn()
+        if hasattr(r, "result"):
+            r.result()
+    if DEVICE == "cpu":
+        return wall_ms(lambda: getattr(fn(), "result", lambda: None)(), reps=1, warmup=0)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        r = fn()
+        end.record()
+        if hasattr(r, "result"):
+            r.result()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_ms(fn, reps: int, warmup: int = 2) -> float:
+    """Median wall-clock time (ms) of a synchronous call."""
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def tbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e12
+
+
+# --- the naive reference: the same definition in plain torch int64 ops ------------------------------------------
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_M2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
+    return (z >> s) & ((1 << (64 - s)) - 1)       # logical shift on int64
+
+
+def _tmix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _lsr(z, 30)) * _M1
+    z = (z ^ _lsr(z, 27)) * _M2
+    return z ^ _lsr(z, 31)
+
+
+def naive_fingerprint(t: torch.Tensor) -> int:
+    """fp64v1 with torch int64 ops (wrapping multiply and sum): one pass per op, int64 temporaries."""
+    size = t.element_size()
+    x = t.reshape(-1).view(fg._INT_VIEW[size]).to(torch.int64)
+    if size < 8:
+        x &= (1 << (8 * size)) - 1
+    idx = torch.arange(1, x.numel() + 1, device=t.device, dtype=torch.int64)
+    s = int(_tmix(x ^ _tmix(idx)).sum()) & ((1 << 64) - 1)
+    h = _mix(np.array([_header(t.dtype, tuple(t.shape))], dtype=np.uint64))[0]
+    with np.errstate(over="ignore"):
+        return int(_mix(np.array([np.uint64(s) ^ h], dtype=np.uint64))[0])
+
+
+# --- workloads ---------------------------------------------------------------------------------------------------
+
+def random_tensor(nbytes: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    n = nbytes // torch.empty((), dtype=dtype).element_size()
+    return torch.randn(n, device=DEVICE, generator=g, dtype=torch.float32).to(dtype)
+
+
+def gradient_shapes(scale: float = 1.0, layers: int = 25) -> list:
+    """~2000 tensors, ~1.2e9 parameters at scale 1: an MoE-like stack (25 layers x (4 attention matrices, 2 norms,
+    router, router bias, 24 experts x 3 matrices)) + embedding + output head."""
+    h = max(64, int(2048 * scale ** 0.5) // 64 * 64)
+    ffn, vocab, experts = max(8, h * 160 // 2048 // 8 * 8), max(64, int(50048 * scale ** 0.5) // 64 * 64), 24
+    shapes = [(vocab, h)]
+    for _ in range(layers):
+        shapes += [(h, h)] * 4 + [(h,), (h,), (experts, h), (experts,)]
+        for _ in range(experts):
+            shapes += [(ffn, h), (ffn, h), (h, ffn)]
+    return shapes + [(h,), (vocab, h)]
+
+
+def check(name: str, got: int, want: int, results: dict) -> None:
+    ok = got == want
+    results.setdefault("checks", []).append({"what": name, "ok": ok})
+    if not ok:
+        print(f"  !! MISMATCH {name}: {got:016x} vs {want:016x}")
+
+
+# --- sections ----------------------------------------------------------------------------------------------------
+
+def _empty_cache() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sweep(results: dict) -> dict:
+    """Variants at the default geometry, then geometries for the best variant; 256 MiB fp32 and bf16."""
+    best = {}
+    rows = []
+    geometries = [{}, {"ept": 8}, {"num_warps": 4}, {"nsub": 8}, {"nsub": 2}, {"num_warps": 16, "ept": 8}]
+    for dtype in (torch.float32, torch.bfloat16):
+        t = random_tensor(SIZES["sweep"], dtype, seed=1)
+        nbytes = t.numel() * t.element_size()
+        want = fg.fingerprint_device(t)
+        scored = []
+        for variant in fg.VARIANTS:
+            opts = {"variant": variant}
+            check(f"sweep {dtype} {variant}", fg.fingerprint_device(t, **opts), want, results)
+            ms = device_ms(lambda: fg.fingerprint_many_async([t], **opts), reps=10)
+            scored.append((ms, opts))
+            rows.append({"dtype": str(dtype), "bytes": nbytes, **opts, "ms": ms, "TBps": tbps(nbytes, ms)})
+            print(f"  {str(dtype):15} {variant:8} {'default':26} {ms:8.3f} ms {tbps(nbytes, ms):6.2f} TB/s")
+        best_variant = min(scored, key=lambda s: s[0])[1]["variant"]
+        for geo in geometries[1:]:
+            opts = {"variant": best_variant, **geo}
+            check(f"sweep {dtype} {opts}", fg.fingerprint_device(t, **opts), want, results)
+            ms = device_ms(lambda: fg.fingerprint_many_async([t], **opts), reps=10)
+            scored.append((ms, opts))
+            rows.append({"dtype": str(dtype), "bytes": nbytes, **opts, "ms": ms, "TBps": tbps(nbytes, ms)})
+            print(f"  {str(dtype):15} {best_variant:8} {str(geo):26} {ms:8.3f} ms {tbps(nbytes, ms):6.2f} TB/s")
+        ms, opts = min(scored, key=lambda s: s[0])
+        best[str(dtype)] = {"options": opts, "ms": ms, "TBps": tbps(nbytes, ms)}
+        del t
+        _empty_cache()
+    results["sweep"] = rows
+    results["sweep_best"] = best
+    return best
+
+
+def single(results: dict, best: dict) -> None:
+    rows = []
+    sizes = SIZES["single"]
+    print(f"  {'dtype':15} {'size':>8} {'copy TB/s':>10} {'fp TB/s':>8} {'ratio':>6} {'best':>6} {'ratio':>6}"
+          f" {'fp e2e ms':>9} {'naive TB/s':>10}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for nbytes in sizes:
+            src = random_tensor(nbytes, dtype, seed=nbytes % 97)
+            dst = torch.empty_like(src)
+            copy_ms = device_ms(lambda: dst.copy_(src), reps=20)
+            fp_ms = device_ms(lambda: fg.fingerprint_many_async([src]), reps=20)
+            e2e_ms = wall_ms(lambda: fg.fingerprint_device(src), reps=10)
+            bopts = best.get(str(dtype), {}).get("options", {})
+            best_ms = device_ms(lambda: fg.fingerprint_many_async([src], **bopts), reps=20) if bopts else fp_ms
+            got = fg.fingerprint_device(src)
+            naive_ms = device_ms(lambda: naive_fingerprint(src), reps=3, warmup=1)
+            naive = naive_fingerprint(src)
+            check(f"{dtype} {nbytes // MiB} MiB vs naive torch", got, naive, results)
+            check(f"{dtype} {nbytes // MiB} MiB best options", fg.fingerprint_device(src, **bopts), got, results)
+            if nbytes <= 64 * MiB and DEVICE == "cuda" or nbytes <= 16 << 10:
+                check(f"{dtype} {nbytes // MiB} MiB vs CPU reference", got, fingerprint(src.cpu()), results)
+            row = {"dtype": str(dtype), "bytes": nbytes, "copy_ms": copy_ms, "copy_read_TBps": tbps(nbytes, copy_ms),
+                   "fp_ms": fp_ms, "fp_TBps": tbps(nbytes, fp_ms), "ratio": copy_ms / fp_ms,
+                   "fp_best_ms": best_ms, "best_options": bopts, "ratio_best": copy_ms / best_ms,
+                   "fp_e2e_ms": e2e_ms, "naive_ms": naive_ms, "naive_TBps": tbps(nbytes, naive_ms)}
+            rows.append(row)
+            print(f"  {str(dtype):15} {nbytes // MiB:>5}MiB {row['copy_read_TBps']:10.2f} {row['fp_TBps']:8.2f}"
+                  f" {row['ratio']:6.2f} {tbps(nbytes, best_ms):6.2f} {row['ratio_best']:6.2f} {e2e_ms:9.3f}"
+                  f" {row['naive_TBps']:10.3f}")
+            del src, dst
+            _empty_cache()
+    results["single"] = rows
+
+
+def many(results: dict, best: dict) -> None:
+    free = torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else 0
+    scale = 1.0
+    shapes = gradient_shapes(scale, SIZES["layers"])
+    nparams = sum(int(np.prod(s)) for s in shapes)
+    while (nparams * 4 * 4.3 > free * 0.8 or nparams > SIZES["many_params"]) and scale > 1e-4:   # grads, flat
+        # src + dst, foreach dsts
+        scale /= 2
+        shapes = gradient_shapes(scale, SIZES["layers"])
+        nparams = sum(int(np.prod(s)) for s in shapes)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    grads = [torch.randn(s, device=DEVICE, generator=g) for s in shapes]
+    nbytes = nparams * 4
+    flat_src = torch.empty(nparams, device=DEVICE)
+    flat_dst = torch.empty_like(flat_src)
+    dsts = [torch.empty_like(x) for x in grads]
+    copy_ms = device_ms(lambda: flat_dst.copy_(flat_src), reps=10)
+    foreach_ms = device_ms(lambda: torch._foreach_copy_(dsts, grads), reps=10)
+    del dsts
+    out = {"tensors": len(grads), "params": nparams, "bytes": nbytes, "scale": scale,
+           "copy_ms": copy_ms, "copy_read_TBps": tbps(nbytes, copy_ms),
+           "foreach_copy_ms": foreach_ms, "foreach_copy_read_TBps": tbps(nbytes, foreach_ms)}
+    got = fg.fingerprint_many(grads)
+    sub = list(range(0, len(grads), 97))
+    check("many vs per-tensor", [got[j] for j in sub] == [fg.fingerprint_device(grads[j]) for j in sub], True,
+          results)
+    small = [j for j in sub if grads[j].numel() <= 1 << 22][:5]
+    check("many vs CPU reference", [got[j] for j in small] == [fingerprint(grads[j].cpu()) for j in small], True,
+          results)
+    print(f"  {len(grads)} tensors, {nparams / 1e9:.2f}e9 fp32 params ({nbytes / 2**30:.1f} GiB);"
+          f" flat copy {tbps(nbytes, copy_ms):.2f} TB/s read, _foreach_copy_ {tbps(nbytes, foreach_ms):.2f} TB/s")
+    for label, opts in (("share=4 (default)", {}), ("share=1", {"share": 1}),
+                        ("best single-tensor options", best.get("torch.float32", {}).get("options", {}))):
+        ms = device_ms(lambda: fg.fingerprint_many_async(grads, **opts), reps=10)
+        e2e = wall_ms(lambda: fg.fingerprint_many(grads, **opts), reps=5)
+        check(f"many {label}", fg.fingerprint_many(grads, **opts) == got, True, results)
+        out[label] = {"options": opts, "ms": ms, "TBps": tbps(nbytes, ms), "ratio": copy_ms / ms, "e2e_ms": e2e,
+                      "launches": _launch_count(grads, opts)}
+        print(f"  fingerprint_many {label:28} {ms:8.3f} ms {tbps(nbytes, ms):6.2f} TB/s  ratio {copy_ms / ms:5.2f}"
+              f"  e2e {e2e:8.3f} ms  launches {out[label]['launches']}")
+    results["many"] = out
+
+
+def _launch_count(tensors, opts) -> int:
+    plan, _ = fg._plan(list(tensors), fg._cfg(opts))
+    return len(plan.launches) + 1      # + the zero fill of the sums
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench/results/fingerprint_gpu.json"))
+    ap.add_argument("--no-sweep", action="store_true", help="skip the variant / geometry sweep")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="check the script end to end on CPU tensors (needs TRITON_INTERPRET=1); times are meaningless")
+    args = ap.parse_args()
+    global DEVICE
+    if args.smoke_cpu:
+        if not fg.INTERPRET:
+            sys.exit("bench_fingerprint_gpu: --smoke-cpu needs TRITON_INTERPRET=1 in the environment")
+        DEVICE = "cpu"
+        SIZES.update(sweep=64 << 10, single=[16 << 10, 64 << 10], many_params=2e5, layers=1)
+    elif args.quick:
+        SIZES.update(sweep=64 * MiB, single=[64 * MiB, 256 * MiB], many_params=3e8)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_fingerprint_gpu: needs a CUDA device (none found); nothing measured")
+    if not fg.HAVE_TRITON:
+        sys.exit("bench_fingerprint_gpu: needs Triton (pip install triton)")
+    import triton
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (Triton interpreter smoke run)",
+               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+               "default_options": dict(fg.DEFAULT), "goal_ratio": GOAL}
+    print(f"{results['device']}  torch {results['torch']}  triton {results['triton']}  cuda {results['cuda']}")
+    t0 = time.monotonic()
+    best = {}
+    if not args.no_sweep:
+        print("sweep (device time, one tensor):")
+        best = sweep(results)
+    print("single tensors (device time; ratio = copy time / fingerprint time = fingerprint read bandwidth / copy's):")
+    single(results, best)
+    print("gradient list:")
+    many(results, best)
+    ok = all(c["ok"] for c in results.get("checks", []))
+    results["all_checks_ok"] = ok
+    results["wall_s"] = time.monotonic() - t0
+    ratios = [r["ratio"] for r in results["single"]]
+    print(f"checks: {'all ok' if ok else 'MISMATCHES (see above)'};  single-tensor ratio {min(ratios):.2f}.."
+          f"{max(ratios):.2f} (goal >= {GOAL});  many ratio {results['many']['share=4 (default)']['ratio']:.2f};"
+          f"  {results['wall_s']:.0f} s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"wrote {out}")
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
