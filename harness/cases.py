@@ -17,6 +17,7 @@ starts from another case and deep-merges this file's mappings over it)::
         pipeline_model_parallel_size: 16
         options: {clip_grad: 0.05}   # overrides of `training` for this variant
         compare_to: other-variant    # reference run (default: the baseline)
+        repeat: 2                    # also run it again and require the runs bitwise equal (a control)
         expect: bitwise | diverge
         first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # optional, with diverge;
                                      # kinds: inventory, loss, grad, grad_norm, param
@@ -83,6 +84,7 @@ class VariantSpec(_Strict):
     first_divergence: Optional[ExpectedDivergence] = None
     inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
     compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
+    repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
 
 
 class CaseSpec(_Strict):

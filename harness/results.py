@@ -74,6 +74,9 @@ class VariantResult:
     clip_grad: float = 0.0
     # schedule timeline with unit costs (forward 1, backward 2): one dict per compute action
     # {rank, start, end, op: "F"|"B", stage, microbatch}; and the idle fraction of rank-time
+    # run-to-run control (`repeat: n`): {"runs": n, "deterministic": bool, "first_divergence": dict|None,
+    # "detail": str}; {} when the variant ran once.  Kept apart from the layout comparison.
+    run_to_run: dict = field(default_factory=dict)
     timeline: list = field(default_factory=list)
     bubble_fraction: Optional[float] = None
     # parameter-inventory differences from the reference run, one line each, in canonical order

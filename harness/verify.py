@@ -98,8 +98,27 @@ def _series(trace: Optional[Trace], cmp: Optional[Comparison]) -> StepSeries:
     return s
 
 
+def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launcher: str, progress) -> dict:
+    """Run `run` again ``repeat - 1`` times (into run_dir/repeat{k}) and compare each with the first run: any
+    difference is run-to-run nondeterminism, reported apart from layout effects."""
+    for k in range(2, run.spec.repeat + 1):
+        rdir = run_dir / f"repeat{k}"
+        outcome = run_ranks(run.config, rdir, timeout, launcher)
+        if not outcome.ok:
+            return {"runs": k, "deterministic": False, "first_divergence": None,
+                    "detail": f"repeat {k} did not complete: {outcome.error.splitlines()[0]}"}
+        cmp = compare(first, merge(rdir, run.layout.pipeline_model_parallel_size))
+        progress(f"      repeat {k}: {'bitwise equal' if cmp.bitwise_equal else 'DIFFERS'} ({outcome.elapsed_s:.1f} s)")
+        if not cmp.bitwise_equal:
+            fd = cmp.first_divergence
+            return {"runs": k, "deterministic": False, "first_divergence": asdict(fd),
+                    "detail": f"repeat {k} differs from run 1: step {fd.step} {fd.kind} {fd.name}"}
+    return {"runs": run.spec.repeat, "deterministic": True, "first_divergence": None,
+            "detail": f"{run.spec.repeat} runs bitwise equal"}
+
+
 def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
-          replicas: Optional[dict] = None) -> tuple[str, str]:
+          replicas: Optional[dict] = None, run_to_run: Optional[dict] = None) -> tuple[str, str]:
     """(verdict, one-line reason) for a variant from its expectation, comparison and replica status.
 
     Structural failures come first: a parameter inventory that differs from the reference run's fails
@@ -109,6 +128,8 @@ def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
     """
     if error:
         return "error", error.splitlines()[0]
+    if run_to_run and not run_to_run["deterministic"]:   # nondeterminism, not a layout effect
+        return "fail", f"run-to-run nondeterminism: {run_to_run['detail']}"
     broken = replicas is not None and replicas.get("consistent") is False
     replica_why = f"replica inconsistent from step {replicas['first_broken_step']}: {replicas['detail']}" \
         if broken else ""
@@ -141,7 +162,7 @@ def _comparison_record(v: VariantResult) -> dict:
     return {"format": "bitparity-comparison/1", "variant": v.name, "compare_to": v.compare_to,
             "verdict": v.verdict, "reason": v.reason, "bitwise_equal": v.bitwise_equal,
             "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
-            "inventory": v.inventory, "replica_status": v.replica_status}
+            "inventory": v.inventory, "replica_status": v.replica_status, "run_to_run": v.run_to_run}
 
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
@@ -163,7 +184,7 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
 def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work) -> CaseResult:
     env = environment()
     timeout = timeout_s or plan.spec.timeout_s
-    traces, outcomes, dirs, taken = {}, {}, {}, set()
+    traces, outcomes, dirs, taken, repeats = {}, {}, {}, set(), {}
     for i, run in enumerate(plan.runs, start=1):
         name = run.spec.name
         dirs[name] = Path("runs") / _dir_name(name, taken)
@@ -183,6 +204,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         traces[name], outcomes[name] = trace, outcome
         progress(f"      {'ran' if outcome.ok else 'ERROR'} in {outcome.elapsed_s:.1f} s"
                  + ("" if outcome.ok else f": {outcome.error.splitlines()[0]}"))
+        if trace is not None and run.spec.repeat > 1:
+            repeats[name] = _repeat(run, trace, work / dirs[name], timeout, launcher, progress)
     base_name = plan.runs[0].spec.name
     variants = []
     for run in plan.runs:
@@ -196,7 +219,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             None if ref is not None else f"reference run {ref_name!r} did not run, nothing to compare with")
         cmp = compare(ref, trace) if error is None else None
         replicas = replica_status(trace) if trace is not None else {}
-        verdict, reason = judge(run, cmp, error, replicas)
+        verdict, reason = judge(run, cmp, error, replicas, repeats.get(name))
         variants.append(VariantResult(
             name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
@@ -207,7 +230,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             run_dir=str(dirs[name]), compare_to=ref_name,
             command=shlex.join(["bitparity", "verify", str(plan.path), "--only", name, "--out", str(out_root)]),
             reductions=t.reductions, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
-            bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas))
+            bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas,
+            run_to_run=repeats.get(name, {})))
         (work / dirs[name] / "comparison.json").write_text(json.dumps(_comparison_record(variants[-1]), indent=1))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads

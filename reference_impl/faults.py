@@ -6,6 +6,8 @@ one well-defined place by a one-line hook in the trainer; with ``inject=None`` e
 
 Numerics (the harness must report ``fail`` at the stated first divergence):
 
+* ``nondeterministic_grad``: XOR the low mantissa bits of that same gradient element with the rank's process
+  id, so two runs of one configuration differ (a run-to-run nondeterminism, for the ``repeat:`` control).
 * ``grad_bit_flip``: flip the lowest mantissa bit of element 0 of the gradient of the last decoder layer's
   ``self_attention.linear_q_down_proj.weight`` at step 0 (after accumulation, before capture).
   -> step 0 grad of that parameter.
@@ -47,11 +49,12 @@ Process faults (for the watchdog):
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
-FAULTS = ("grad_bit_flip", "swap_backward_microbatches", "skip_final_norm_standalone", "double_final_norm_mtp",
+FAULTS = ("grad_bit_flip", "nondeterministic_grad", "swap_backward_microbatches", "skip_final_norm_standalone", "double_final_norm_mtp",
           "unsynced_embedding_replica", "mtp_loss_main_mask_count", "rescale_grads_per_microbatch",
           "grad_norm_counts_replica", "wrong_microbatch_activation", "renorm_when_mtp_alone", "wrong_wd_group",
           "crash_rank", "hang_rank")
@@ -171,10 +174,10 @@ def weight_decay(name, param_name, decay: bool) -> bool:
 @torch.no_grad()
 def after_grads(name, step, params, num_layers):
     """Gradient faults, applied to the accumulated main_grads before capture.  params: (key, name, replica, p)."""
-    if name != "grad_bit_flip" or step != 0:
+    if name not in ("grad_bit_flip", "nondeterministic_grad") or step != 0:
         return
     target = f"decoder.layers.{num_layers - 1}.self_attention.linear_q_down_proj.weight"
     for key, _, _, p, _ in params:
         if key == target:
             flat = p.main_grad.view(-1).view(torch.int32)
-            flat[0] ^= 1
+            flat[0] ^= 1 if name == "grad_bit_flip" else (os.getpid() & 0xFFFF) | 1
