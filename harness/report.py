@@ -80,11 +80,14 @@ def format_elapsed(seconds: Any) -> str:
 def divergence_words(fd: Optional[FirstDivergence]) -> str:
     """One line for a first divergence, e.g. ``step 0 · grad · embedding.word_embeddings.weight``.
 
-    Loss divergences name the microbatch: ``step 3 · loss · mb 1 · lm``.  ``""`` when `fd` is None.
+    Loss divergences name the microbatch: ``step 3 · loss · mb 1 · lm``.  An inventory difference is found
+    before any training step: ``before training · inventory · output_layer.weight``.  ``""`` when `fd` is
+    None.
     """
     if fd is None:
         return ""
-    parts = [f"step {fd.step}", str(fd.kind)]
+    when = "before training" if fd.kind == "inventory" else f"step {fd.step}"
+    parts = [when, str(fd.kind)]
     if fd.microbatch is not None:
         parts.append(f"mb {fd.microbatch}")
     parts.append(str(fd.name))
@@ -123,6 +126,38 @@ def _expectation_words(v: VariantResult, baseline: str) -> str:
     return f"expected to diverge from {_ref_words(v, baseline)}"
 
 
+def inventory_lines(v: VariantResult) -> list[str]:
+    """The variant's parameter-inventory differences from its reference run, one cleaned line each."""
+    return [_clean_text(x) for x in (v.inventory or [])]
+
+
+def replica_words(rs: Any) -> str:
+    """One line for a `VariantResult.replica_status`; ``""`` when it is empty (the run errored).
+
+    ``consistent · 1 replica(s) match ...`` or ``broken at step 1 · <key>: gradient at step 1 ...``.
+    """
+    if not isinstance(rs, dict) or not rs:
+        return ""
+    detail = _clean_text(rs.get("detail") or "")
+    if rs.get("consistent") is False:
+        step = rs.get("first_broken_step")
+        head = "broken" if step is None else f"broken at step {step}"
+    else:
+        head = "consistent"
+    return f"{head} · {detail}" if detail else head
+
+
+def replicas_broken(v: VariantResult) -> bool:
+    """True when the run's replicas drifted from their originals (`replica_status.consistent` is False)."""
+    rs = v.replica_status
+    return isinstance(rs, dict) and rs.get("consistent") is False
+
+
+def _replica_keys(rs: Any) -> list[str]:
+    keys = rs.get("replicas") if isinstance(rs, dict) else None
+    return [_clean_text(k) for k in keys] if isinstance(keys, (list, tuple)) else []
+
+
 def _variant_failure_text(v: VariantResult, baseline: str) -> str:
     """Body of a JUnit <failure>: what diverged (or did not) and what was expected."""
     lines = []
@@ -134,6 +169,16 @@ def _variant_failure_text(v: VariantResult, baseline: str) -> str:
             lines.append(f"  {v.first_divergence.detail}")
     elif v.bitwise_equal:
         lines.append(f"no divergence: the run is bitwise equal to {_ref_words(v, baseline)}")
+    inventory = inventory_lines(v)
+    if inventory:
+        lines.append(f"parameter inventory differs from {_ref_words(v, baseline)} "
+                     f"({len(inventory)} parameter{'s' if len(inventory) != 1 else ''}):")
+        lines += [f"  {line}" for line in inventory]
+    if replica_words(v.replica_status):
+        lines.append(f"replica consistency: {replica_words(v.replica_status)}")
+        keys = _replica_keys(v.replica_status)
+        if keys:
+            lines.append(f"  replicas: {', '.join(keys)}")
     lines.append(_expectation_words(v, baseline))
     lines.append(f"layout: {v.layout} (pp={v.pp}, vpp={v.vpp}, mtp_standalone={v.mtp_standalone})")
     lines.append(f"reductions: {v.reductions} · clip_grad: {clip_words(v.clip_grad)} · "
@@ -172,17 +217,22 @@ def summary_dict(result: CaseResult) -> dict:
                        "expect": "bitwise"|"diverge", "verdict": "pass"|"fail"|"error",
                        "bitwise_equal": bool|None,
                        "first_divergence": None | {"step": int,
-                                                   "kind": "loss"|"grad"|"grad_norm"|"param",
+                                                   "kind": "inventory"|"loss"|"grad"|"grad_norm"|"param",
                                                    "microbatch": int|None, "name": str},
                        "reason": str, "elapsed_s": float,
                        "compare_to": str, "reductions": "megatron"|"canonical",
-                       "clip_grad": float, "bubble_fraction": float|None}],
+                       "clip_grad": float, "bubble_fraction": float|None,
+                       "inventory": [str],
+                       "replica_status": {} | {"consistent": bool, "first_broken_step": int|None,
+                                               "replicas": [str], "detail": str}}],
          "environment": {...}}
 
     Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the
     variant is compared with (the baseline unless the case names another); ``clip_grad`` is 0.0 when
     clipping is off; ``bubble_fraction`` is the idle share of rank-time of the schedule played with
-    unit costs (None when unknown).
+    unit costs (None when unknown).  ``inventory`` lists the parameter-inventory differences from that
+    run (empty when the inventories match or were not compared); ``replica_status`` is the run's own
+    replica consistency (``{}`` when the run errored).
     """
     variants = []
     for v in result.variants:
@@ -208,6 +258,8 @@ def summary_dict(result: CaseResult) -> dict:
             "reductions": str(v.reductions),
             "clip_grad": _finite_or_none(v.clip_grad) or 0.0,
             "bubble_fraction": _finite_or_none(v.bubble_fraction),
+            "inventory": inventory_lines(v),
+            "replica_status": _json_safe(dict(v.replica_status)) if isinstance(v.replica_status, dict) else {},
         })
     return {
         "case": str(result.case),
@@ -226,8 +278,9 @@ def junit_xml(result: CaseResult) -> str:
     """JUnit XML: ``<testsuites>`` holding one ``<testsuite name=case>``, one ``<testcase>`` per variant.
 
     Each testcase has ``classname="bitparity.<case>"``, ``name=<variant>`` and ``time=<elapsed_s>``.
-    A failing variant carries ``<failure message=reason>`` whose text is the first divergence and the
-    expectation; an errored one carries ``<error message=...>`` with the error text.  ANSI colour codes
+    A failing variant carries ``<failure message=reason>`` whose text is the first divergence, the
+    parameter-inventory differences and the replica status (when there are any) and the expectation; an
+    errored one carries ``<error message=...>`` with the error text.  ANSI colour codes
     and characters XML cannot represent are removed so the file always parses.
     """
     case = _clean_text(result.case)
@@ -682,6 +735,56 @@ def _family_tables(v: VariantResult) -> list[dict]:
     return tables
 
 
+def parameter_count(v: VariantResult, report_dir: Optional[pathlib.Path]) -> Optional[int]:
+    """Number of parameters (replicas such as ``...@mtp`` not counted) in the run's ``trace.json``.
+
+    Read from ``report_dir / v.run_dir / trace.json``; None when there is no report directory, `run_dir`
+    is absolute or leads outside it, or the trace is missing or unreadable.
+    """
+    run_dir = str(v.run_dir or "")
+    if report_dir is None or not _is_relative_link(run_dir) or pathlib.PurePath(run_dir).is_absolute():
+        return None
+    try:
+        root = pathlib.Path(report_dir).resolve()
+        path = (root / run_dir / "trace.json").resolve()
+        if root not in path.parents or not path.is_file():
+            return None
+        params = json.loads(path.read_text(encoding="utf-8")).get("params")
+        if not isinstance(params, dict):
+            return None
+        return sum(1 for meta in params.values() if not (isinstance(meta, dict) and meta.get("replica")))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _structural(v: VariantResult, ref: str, n_params: Optional[int]) -> dict:
+    """Data of a variant card's "Structural checks" block and of its verdict-matrix markers.
+
+    ``inventory``: the differing lines (empty when equal); ``inventory_checked``: whether a comparison ran
+    (False when the variant or its reference errored); ``replica``: ``{"state": "consistent"|"broken"|
+    "unknown", "step", "detail", "names"}``; ``flags``: ``[(css class, label, tooltip)]`` for the matrix.
+    """
+    inventory = inventory_lines(v)
+    rs = v.replica_status if isinstance(v.replica_status, dict) else {}
+    if not rs:
+        state = "unknown"
+    else:
+        state = "broken" if rs.get("consistent") is False else "consistent"
+    step = rs.get("first_broken_step") if state == "broken" else None
+    replica = {"state": state, "step": step, "detail": _clean_text(rs.get("detail") or ""),
+               "names": _replica_keys(rs)}
+    flags = []
+    if inventory:
+        n = len(inventory)
+        flags.append(("inventory", "inventory ≠",
+                      f"parameter inventory differs from {ref} ({n} parameter{'s' if n != 1 else ''}): "
+                      + inventory[0]))
+    if state == "broken":
+        flags.append(("replicas", "replicas ≠", f"replicas inconsistent: {replica_words(rs)}"))
+    return {"inventory": inventory, "inventory_checked": bool(inventory) or v.bitwise_equal is not None,
+            "n_params": n_params, "replica": replica, "flags": flags}
+
+
 def _is_relative_link(path: str) -> bool:
     return bool(path) and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", path) and not path.startswith("//")
 
@@ -705,11 +808,13 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def render_html(result: CaseResult) -> str:
+def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -> str:
     """The self-contained ``index.html`` page (inline CSS, inline SVG, no JavaScript, no network).
 
     Rendered from ``templates/report.html.j2`` with autoescaping, so names and error text containing
-    markup are shown as text.
+    markup are shown as text.  `report_dir`, when given, is the directory the page is written to: the
+    runs' ``trace.json`` files there (under each ``run_dir``) give the parameter counts of the
+    "Structural checks" blocks (`parameter_count`); without it the counts are left out.
     """
     svg = loss_curves_svg(result)
     counts = {k: sum(v.verdict == k for v in result.variants) for k in ("pass", "fail", "error")}
@@ -734,6 +839,7 @@ def render_html(result: CaseResult) -> str:
             "timeline": _timeline(v),
             "options": sorted((v.options or {}).items(), key=lambda kv: str(kv[0])),
             "expectation": _expectation_words(v, result.baseline),
+            "structural": _structural(v, ref, parameter_count(v, report_dir)),
         })
     template = _environment().get_template(TEMPLATE_NAME)
     return template.render(
@@ -802,7 +908,7 @@ def write_report(result: CaseResult, out_dir: pathlib.Path) -> dict[str, pathlib
         "summary.json": json.dumps(summary_dict(result), indent=2, ensure_ascii=False) + "\n",
         "junit.xml": junit_xml(result),
         "summary.md": markdown_summary(result, report_link="index.html"),
-        "index.html": render_html(result),
+        "index.html": render_html(result, report_dir=out_dir),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, pathlib.Path] = {}

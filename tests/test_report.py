@@ -611,3 +611,194 @@ def test_html_timeline_in_variant_cards(html):
     assert "bubble fraction —" in err                                   # cells but no fraction
     assert 'aria-label="schedule timeline of pp2 &lt;b&gt;x&lt;/b&gt;: 2 ranks, 6 time units"' in err
     assert html.count('class="timeline-svg"') == 3
+
+
+# -------------------------------------------------------------- structural checks: inventory, replicas
+
+INV_LINES = ["output_layer.weight: weight_decay True (baseline) vs False",
+             "decoder.layers.0.<mlp>.weight: only in the baseline"]
+REPLICA = "embedding.word_embeddings.weight@mtp"
+BROKEN_DETAIL = f"{REPLICA}: gradient at step 1 0xaaaa vs 0xbbbb of embedding.word_embeddings.weight"
+
+
+def make_structural_result() -> CaseResult:
+    """make_result() with structural checks: consistent replicas in the baseline and pp2_vpp2, an inventory
+    difference (first divergence kind inventory) in pp4_mtp and a broken replica in a fifth variant; the
+    errored variant has no replica status."""
+    r = make_result()
+    base, ok, bad, err = r.variants
+    consistent = {"consistent": True, "first_broken_step": None, "replicas": [REPLICA],
+                  "detail": "1 replica(s) match their originals at init and after all 3 steps"}
+    base.replica_status = dict(consistent)
+    ok.replica_status = {"consistent": True, "first_broken_step": None, "replicas": [],
+                         "detail": "no replicas in this run"}
+    bad.inventory = list(INV_LINES)
+    bad.first_divergence = FirstDivergence(step=0, kind="inventory", microbatch=None, name="output_layer.weight",
+                                           detail="parameter inventory differs (2): " + "; ".join(INV_LINES))
+    bad.reason = f"parameter inventory differs from pp2_vpp2 (2): {INV_LINES[0]}"
+    bad.replica_status = dict(consistent)
+    err.replica_status = {}
+    drift = VariantResult(
+        name="drift", layout="E|t|t|L", pp=4, vpp=1, mtp_standalone=True, expect="bitwise", verdict="fail",
+        bitwise_equal=False, first_divergence=FirstDivergence(step=1, kind="grad", microbatch=None,
+                                                              name="embedding.word_embeddings.weight"),
+        reason=f"expected bitwise equality; replica inconsistent from step 1: {BROKEN_DETAIL}",
+        series=_series(BASE_LOSSES), compare_to="baseline", run_dir="runs/drift",
+        replica_status={"consistent": False, "first_broken_step": 1, "replicas": [REPLICA, "x.weight@mtp"],
+                        "detail": BROKEN_DETAIL})
+    r.variants.append(drift)
+    return r
+
+
+def _cards(html: str) -> list[str]:
+    return re.split(r'<div class="variant \w+" id="variant-\d">', html.split('<section id="variants">', 1)[1])[1:]
+
+
+def _structural_block(card: str) -> str:
+    assert card.count("<h4>Structural checks</h4>") == 1
+    return card.split("<h4>Structural checks</h4>", 1)[1].split("</dl>", 1)[0]
+
+
+def _dd(block: str, cls: str) -> str:
+    return re.search(rf'<dd class="{cls}[^"]*">(.*?)</dd>', block, re.S).group(1)
+
+
+def test_divergence_words_inventory_is_before_training():
+    fd = FirstDivergence(step=0, kind="inventory", microbatch=None, name="output_layer.weight")
+    assert report.divergence_words(fd) == "before training · inventory · output_layer.weight"
+    # other kinds keep their step
+    assert report.divergence_words(FirstDivergence(0, "grad", None, "w")) == "step 0 · grad · w"
+    r = make_structural_result()
+    md_row = next(ln for ln in report.markdown_summary(r).splitlines() if ln.startswith("| pp4\\_mtp"))
+    assert "before training · inventory · output\\_layer.weight" in md_row
+    fail_row = _matrix_rows(report.render_html(r))[2]
+    assert "before training · inventory · output_layer.weight" in fail_row and "step 0 · inventory" not in fail_row
+
+
+def test_summary_json_inventory_and_replica_status():
+    r = make_structural_result()
+    s = report.summary_dict(r)
+    for v in s["variants"]:
+        assert type(v["inventory"]) is list and type(v["replica_status"]) is dict
+    base, ok, bad, err, drift = s["variants"]
+    assert bad["inventory"] == INV_LINES
+    assert base["inventory"] == ok["inventory"] == err["inventory"] == drift["inventory"] == []
+    assert bad["first_divergence"] == {"step": 0, "kind": "inventory", "microbatch": None,
+                                       "name": "output_layer.weight"}
+    assert base["replica_status"] == {"consistent": True, "first_broken_step": None, "replicas": [REPLICA],
+                                      "detail": "1 replica(s) match their originals at init and after all 3 steps"}
+    assert ok["replica_status"]["replicas"] == []
+    assert err["replica_status"] == {}
+    assert drift["replica_status"] == {"consistent": False, "first_broken_step": 1,
+                                       "replicas": [REPLICA, "x.weight@mtp"], "detail": BROKEN_DETAIL}
+    assert json.loads(json.dumps(s, allow_nan=False)) == s
+    # defaults (older producers): empty list and dict
+    plain = report.summary_dict(make_result())["variants"]
+    assert all(v["inventory"] == [] and v["replica_status"] == {} for v in plain)
+
+
+def test_junit_failure_text_has_inventory_and_replicas_when_present():
+    r = make_structural_result()
+    suite = ET.fromstring(report.junit_xml(r)).find("testsuite")
+    cases = {c.get("name"): c for c in suite.findall("testcase")}
+    bad = cases["pp4_mtp"].find("failure").text
+    assert "first divergence: before training · inventory · output_layer.weight" in bad
+    assert "parameter inventory differs from reference run 'pp2_vpp2' (2 parameters):" in bad
+    for line in INV_LINES:
+        assert f"\n  {line}\n" in bad
+    assert "replica consistency: consistent · 1 replica(s) match" in bad
+    assert f"  replicas: {REPLICA}" in bad
+    drift = cases["drift"].find("failure").text
+    assert f"replica consistency: broken at step 1 · {BROKEN_DETAIL}" in drift
+    assert f"  replicas: {REPLICA}, x.weight@mtp" in drift
+    assert "parameter inventory" not in drift
+    # nothing structural to say: no lines (make_result has neither inventory nor replica status)
+    plain = ET.fromstring(report.junit_xml(make_result())).find("testsuite")
+    text = [c for c in plain.findall("testcase") if c.get("name") == "pp4_mtp"][0].find("failure").text
+    assert "parameter inventory" not in text and "replica" not in text
+
+
+def test_html_structural_checks_in_every_card():
+    r = make_structural_result()
+    cards = _cards(report.render_html(r))
+    assert len(cards) == 5
+    base, ok, bad, err, drift = (_structural_block(c) for c in cards)
+
+    # inventory: baseline is the reference, pp2_vpp2 matches, pp4_mtp lists its differing lines highlighted
+    assert "reference run" in _dd(base, "inventory-check") and "matches" not in _dd(base, "inventory-check")
+    inv_ok = _dd(ok, "inventory-check")
+    assert '<span class="struct-ok">matches the reference</span>' in inv_ok and "parameters)" not in inv_ok
+    inv_bad = _dd(bad, "inventory-check")
+    assert 'class="inventory-check differs"' in bad
+    assert "differs from pp2_vpp2 in 2 parameters" in inv_bad
+    items = re.findall(r'<li class="mono differs">(.*?)</li>', inv_bad)
+    assert items == [INV_LINES[0], "decoder.layers.0.&lt;mlp&gt;.weight: only in the baseline"]
+    assert "matches the reference" not in inv_bad
+    assert "not compared" in _dd(err, "inventory-check")
+    assert "<li" not in _dd(ok, "inventory-check") + _dd(drift, "inventory-check")
+
+    # replicas: consistent with detail and keys; broken at step k with detail and keys; errored: not checked
+    rep_base = _dd(base, "replica-check")
+    assert 'class="replica-check consistent"' in base and '<span class="struct-ok">consistent</span>' in rep_base
+    assert "match their originals at init and after all 3 steps" in rep_base
+    assert re.findall(r'<li class="mono">(.*?)</li>', rep_base) == [REPLICA]
+    rep_ok = _dd(ok, "replica-check")
+    assert "no replicas in this run" in rep_ok and "<li" not in rep_ok
+    rep_drift = _dd(drift, "replica-check")
+    assert 'class="replica-check broken"' in drift
+    assert '<span class="struct-bad">broken at step 1</span>' in rep_drift
+    assert f'<span class="replica-detail broken">{BROKEN_DETAIL}</span>' in rep_drift
+    assert re.findall(r'<li class="mono">(.*?)</li>', rep_drift) == [REPLICA, "x.weight@mtp"]
+    assert "broken" not in rep_base and "consistent" not in rep_drift
+    assert 'class="replica-check unknown"' in err and "not checked" in _dd(err, "replica-check")
+
+
+def test_html_matrix_marks_structural_failures_only():
+    html = report.render_html(make_structural_result())
+    body = re.search(r'<table class="matrix">(.*?)</table>', html, re.S).group(1).split("<tbody>", 1)[1]
+    rows = re.findall(r'<tr class="([^"]*)">(.*?)</tr>', body, re.S)
+    assert len(rows) == 5
+    flags = [re.findall(r'<span class="struct-flag (\w+)" title="([^"]*)">', r) for _, r in rows]
+    assert [[c for c, _ in f] for f in flags] == [[], [], ["inventory"], [], ["replicas"]]
+    assert ["structural-flag" in cls for cls, _ in rows] == [False, False, True, False, True]
+    # the marker sits in the variant cell and its tooltip says what is wrong
+    name_cell = re.search(r"<td>(.*?)</td>", rows[2][1], re.S).group(1)
+    assert "pp4_mtp" in name_cell and 'class="struct-flag inventory"' in name_cell
+    assert flags[2][0][1].startswith("parameter inventory differs from pp2_vpp2 (2 parameters): output_layer.weight")
+    assert flags[4][0][1] == f"replicas inconsistent: broken at step 1 · {BROKEN_DETAIL}"
+    # no structural data at all: no markers
+    plain = report.render_html(make_result())
+    assert 'class="struct-flag' not in plain and "structural-flag" not in plain
+
+
+def _write_trace(report_dir: pathlib.Path, run_dir: str, n: int, replicas: int = 1) -> None:
+    params = {f"p{i}.weight": {"name": f"p{i}.weight", "replica": None} for i in range(n)}
+    params.update({f"p{i}.weight@mtp": {"name": f"p{i}.weight", "replica": "mtp"} for i in range(replicas)})
+    (report_dir / run_dir).mkdir(parents=True, exist_ok=True)
+    (report_dir / run_dir / "trace.json").write_text(json.dumps({"format": "t", "params": params}))
+
+
+def test_parameter_count_from_the_run_traces(tmp_path):
+    r = make_structural_result()
+    _write_trace(tmp_path, "runs/baseline", 130)
+    _write_trace(tmp_path, "runs/pp2_vpp2", 130, replicas=0)
+    (tmp_path / "runs/pp4_mtp").mkdir(parents=True)
+    (tmp_path / "runs/pp4_mtp/trace.json").write_text("{not json")
+    base, ok, bad = r.variants[:3]
+    assert report.parameter_count(base, tmp_path) == 130       # the replica is not counted
+    assert report.parameter_count(ok, tmp_path) == 130
+    assert report.parameter_count(bad, tmp_path) is None       # unreadable trace
+    assert report.parameter_count(ok, None) is None
+    outside = tmp_path / "elsewhere"
+    _write_trace(tmp_path, "elsewhere/run", 5)
+    escaped = _variant(run_dir="../elsewhere/run")
+    assert report.parameter_count(escaped, tmp_path / "report") is None   # not inside the report directory
+    assert report.parameter_count(_variant(run_dir=str(outside / "run")), tmp_path) is None  # absolute path
+
+    paths = report.write_report(r, tmp_path)
+    cards = _cards(paths["index.html"].read_text(encoding="utf-8"))
+    assert "reference run (130 parameters)" in _dd(_structural_block(cards[0]), "inventory-check")
+    inv_ok = _dd(_structural_block(cards[1]), "inventory-check")
+    assert re.search(r'<span class="struct-ok">matches the reference</span> \(130 parameters\)', inv_ok)
+    # rendered without the report directory the count is left out
+    assert "130 parameters" not in report.render_html(r)
