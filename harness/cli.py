@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--device", choices=("cpu", "cuda"), help="override the case's device")
     v.add_argument("--num-gpus", type=int, help="cuda: spread ranks over this many GPUs (fewer than ranks: "
                                                    "ranks share GPUs, staged through host memory)")
+    v.add_argument("--evidence", action="store_true",
+                   help="collect ULP evidence (tensor dumps at the first diverging step) for every diverging "
+                        "variant, not only for failing ones")
     v.add_argument("--launcher", choices=("fork", "torchrun"), default="fork",
                    help="fork: ranks forked from a torch-preloaded forkserver (default); torchrun: one "
                         "torchrun per run, rank/world from the environment, local rank r on cuda:r")
@@ -109,7 +112,7 @@ def _verify(args, argv) -> int:
     if args.timeout is not None and not (0 < args.timeout < float("inf")):
         raise UsageError("--timeout must be a positive number of seconds")
     result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
-                    launcher=args.launcher)
+                    launcher=args.launcher, evidence_all=args.evidence)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
     print(f"{plan.name}: {n_pass}/{len(result.variants)} pass in {result.elapsed_s:.1f} s; "
           f"report: {Path(args.out) / plan.name / 'index.html'}")

@@ -128,6 +128,14 @@ def _loss_diffs(base_step, other_step):
         yield None, "lm loss (reported)", bl or {"hex": "none"}, ol or {"hex": "none"}
 
 
+def _ulps(a_hex: str, b_hex: str) -> str:
+    """' (n ulp)' for two float bit patterns of one width, else ''."""
+    try:
+        return f" ({ulp_distance(a_hex, b_hex)} ulp)" if a_hex.startswith("0x") and b_hex.startswith("0x") else ""
+    except ValueError:
+        return ""
+
+
 def compare(base: Trace, other: Trace) -> Comparison:
     """Compare `other` with `base` bit for bit (fingerprints and loss bits).
 
@@ -148,7 +156,9 @@ def compare(base: Trace, other: Trace) -> Comparison:
     for bs, os_ in zip(base.steps, other.steps):
         for mb, name, b, o in _loss_diffs(bs, os_):
             if first is None:
-                first = FirstDivergence(bs.step, "loss", mb, name, f"{name}: baseline {b['hex']} vs {o['hex']}")
+                ulps = _ulps(b["hex"], o["hex"])
+                first = FirstDivergence(bs.step, "loss", mb, name,
+                                        f"{name}: reference {b['hex']} vs {o['hex']}{ulps}")
         norm_ulps.append(None)
         for kind, b_map, o_map in (("grad", bs.grads, os_.grads), ("param", bs.params, os_.params)):
             if kind == "param" and bs.grad_norm and os_.grad_norm:

@@ -77,6 +77,11 @@ class VariantResult:
     # run-to-run control (`repeat: n`): {"runs": n, "deterministic": bool, "first_divergence": dict|None,
     # "detail": str}; {} when the variant ran once.  Kept apart from the layout comparison.
     run_to_run: dict = field(default_factory=dict)
+    # ULP evidence at the first diverging step (`harness.evidence`): per differing tensor {key, what:
+    # "grad"|"param", dtype, numel, differing, fraction, max_ulp, median_ulp, histogram, max_abs_err,
+    # max_rel_err, nan_mismatch}; [] when not collected.  `evidence_error`: why collection failed.
+    ulp_evidence: list = field(default_factory=list)
+    evidence_error: str = ""
     timeline: list = field(default_factory=list)
     bubble_fraction: Optional[float] = None
     # parameter-inventory differences from the reference run, one line each, in canonical order

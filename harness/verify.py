@@ -28,6 +28,7 @@ from reference_impl.schedule import build_schedule, serialise, timeline
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
 from .errors import UsageError
+from .evidence import collect as collect_evidence
 from .report import write_report
 from .results import CaseResult, StepSeries, VariantResult
 from .runner import RunOutcome, run_ranks
@@ -162,12 +163,16 @@ def _comparison_record(v: VariantResult) -> dict:
     return {"format": "bitparity-comparison/1", "variant": v.name, "compare_to": v.compare_to,
             "verdict": v.verdict, "reason": v.reason, "bitwise_equal": v.bitwise_equal,
             "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
-            "inventory": v.inventory, "replica_status": v.replica_status, "run_to_run": v.run_to_run}
+            "inventory": v.inventory, "replica_status": v.replica_status, "run_to_run": v.run_to_run,
+            "ulp_evidence": v.ulp_evidence, "evidence_error": v.evidence_error}
 
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
-           progress: Callable[[str], None] = print, launcher: str = "fork") -> CaseResult:
-    """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``)."""
+           progress: Callable[[str], None] = print, launcher: str = "fork", evidence_all: bool = False) -> CaseResult:
+    """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``).
+
+    ULP evidence (`harness.evidence`) is collected for every failing variant whose first divergence is a
+    gradient or parameter, and with `evidence_all` also for variants that diverge as expected."""
     start = time.monotonic()
     if out_root.exists() and not out_root.is_dir():
         raise UsageError(f"--out {out_root}: not a directory")
@@ -175,16 +180,17 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work)
+        return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)     # never leave a half-written report behind
         raise
 
 
-def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work) -> CaseResult:
+def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all) -> CaseResult:
     env = environment()
     timeout = timeout_s or plan.spec.timeout_s
     traces, outcomes, dirs, taken, repeats = {}, {}, {}, set(), {}
+    plan_configs = {r.spec.name: r.config for r in plan.runs}
     for i, run in enumerate(plan.runs, start=1):
         name = run.spec.name
         dirs[name] = Path("runs") / _dir_name(name, taken)
@@ -220,6 +226,15 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         cmp = compare(ref, trace) if error is None else None
         replicas = replica_status(trace) if trace is not None else {}
         verdict, reason = judge(run, cmp, error, replicas, repeats.get(name))
+        evidence, evidence_error = [], ""
+        fd = cmp.first_divergence if cmp else None
+        if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all):
+            progress(f"      collecting ULP evidence at step {fd.step} ...")
+            try:
+                evidence = collect_evidence(plan_configs[ref_name], run.config, ref, trace, fd.step,
+                                            work / dirs[name] / "evidence", timeout, launcher)
+            except RuntimeError as e:
+                evidence_error = str(e)
         variants.append(VariantResult(
             name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
@@ -231,7 +246,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             command=shlex.join(["bitparity", "verify", str(plan.path), "--only", name, "--out", str(out_root)]),
             reductions=t.reductions, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
             bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas,
-            run_to_run=repeats.get(name, {})))
+            run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error))
         (work / dirs[name] / "comparison.json").write_text(json.dumps(_comparison_record(variants[-1]), indent=1))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads

@@ -153,6 +153,15 @@ class ParallelConfig(_Strict):
     pipeline_model_parallel_size: int = Field(ge=1, le=1024)
 
 
+class DumpConfig(_Strict):
+    """Full tensor dump at one step (for ULP evidence): main_grad and updated fp32 value of the listed
+    parameter keys, written by each rank to ``rank{r}.dump.safetensors`` (``grad/<key>``, ``param/<key>``)."""
+
+    step: int = Field(ge=0)
+    keys: list[str]
+    max_bytes: int = Field(256 << 20, ge=1)
+
+
 class RunConfig(_Strict):
     """One complete training run: what every rank receives."""
 
@@ -164,5 +173,6 @@ class RunConfig(_Strict):
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     num_gpus: Optional[int] = Field(None, ge=1)  # cuda: spread ranks over this many GPUs (default: all)
     capture: Literal["full", "losses"] = "full"  # "losses": no fingerprints (capture-overhead benchmark only)
+    dump: Optional[DumpConfig] = None
     inject: Optional[str] = None             # test-only planted fault (reference_impl.faults)
     rank_timeout_s: float = Field(120.0, gt=0)  # gloo collective / p2p timeout inside ranks

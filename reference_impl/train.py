@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from . import faults, names
 from .capture import FORMAT, TraceWriter, scalar
@@ -83,6 +84,16 @@ class RankState:
         tensors = [getattr(p, attr) for _, _, _, p, _ in self.params]
         return dict(zip((key for key, *_ in self.params), fingerprint_hex_many(tensors)))
 
+    def dump_tensors(self, attr: str, prefix: str) -> dict:
+        """{prefix/key: CPU copy} of the dump keys this rank holds (`RunConfig.dump`), within max_bytes."""
+        wanted, out, used = set(self.cfg.dump.keys), {}, 0
+        for key, _, _, p, _ in self.params:
+            t = getattr(p, attr)
+            if key in wanted and used + t.numel() * t.element_size() <= self.cfg.dump.max_bytes:
+                out[f"{prefix}/{key}"] = t.detach().cpu().clone().contiguous()
+                used += t.numel() * t.element_size()
+        return out
+
     def buffers(self) -> dict:
         bufs = [(name, buf) for chunk in self.chunks.values() for name, buf in chunk.named_buffers()
                 if name.endswith("expert_bias")]
@@ -128,6 +139,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
             for layer in chunk.moe_layers():
                 layer.router.update_expert_bias()
         faults.after_grads(cfg.inject, step, state.params, cfg.model.num_layers)
+        dumping = cfg.dump is not None and cfg.dump.step == step
+        dump = state.dump_tensors("main_grad", "grad") if dumping else {}
         record = {"type": "step", "step": step, "grads": state.fingerprints("main_grad"),
                   "grad_norm": None, "clip_coeff": None, "clipped": None}
         if t.clip_grad > 0:
@@ -144,6 +157,9 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
                 if p.master is not p:
                     p.copy_(p.master)
         record["params"] = state.fingerprints("master")
+        if dumping:
+            dump.update(state.dump_tensors("master", "param"))
+            save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         record["buffers"] = state.buffers()
         if outs:
             record["losses"] = [{"microbatch": m, "lm": scalar(o.lm_loss), "num_tokens": int(o.num_tokens.item()),

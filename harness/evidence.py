@@ -1,0 +1,57 @@
+"""ULP evidence for a divergence: re-run the first diverging step of both runs with full dumps of the tensors
+involved (safetensors, bounded by a size limit) and measure every difference in ULPs (`harness.ulp`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from reference_impl.config import DumpConfig, RunConfig
+
+from .runner import run_ranks
+from .trace import Trace
+from .ulp import tensor_stats
+
+MAX_TENSORS = 8
+MAX_BYTES = 256 << 20
+
+
+def diverging_keys(ref: Trace, other: Trace, step: int, limit: int = MAX_TENSORS) -> list[str]:
+    """Keys whose gradient or updated value differs at `step`, canonical order, at most `limit`."""
+    a, b = ref.steps[step], other.steps[step]
+    keys = [k for k in ref.order if k in other.params and
+            (a.grads.get(k) != b.grads.get(k) or a.params.get(k) != b.params.get(k))]
+    return keys[:limit]
+
+
+def _dump(cfg: RunConfig, keys: list[str], step: int, run_dir: Path, timeout: float, launcher: str) -> dict:
+    cfg = cfg.model_copy(update={
+        "dump": DumpConfig(step=step, keys=keys, max_bytes=MAX_BYTES),
+        "training": cfg.training.model_copy(update={"train_iters": step + 1})})
+    out = run_ranks(cfg, run_dir, timeout, launcher)
+    if not out.ok:
+        raise RuntimeError(out.error.splitlines()[0])
+    tensors: dict = {}
+    for f in sorted(run_dir.glob("rank*.dump.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def collect(ref_cfg: RunConfig, cfg: RunConfig, ref: Trace, other: Trace, step: int, work: Path,
+            timeout: float, launcher: str) -> list[dict]:
+    """Per diverging tensor at `step`: {key, what: "grad"|"param", **tensor_stats}.  Raises RuntimeError when
+    a re-run fails."""
+    keys = diverging_keys(ref, other, step)
+    if not keys:
+        return []
+    a = _dump(ref_cfg, keys, step, work / "reference", timeout, launcher)
+    b = _dump(cfg, keys, step, work / "variant", timeout, launcher)
+    rows = []
+    for key in keys:
+        for what in ("grad", "param"):
+            name = f"{what}/{key}"
+            if name in a and name in b:
+                stats = tensor_stats(a[name], b[name])
+                if stats["differing"]:
+                    rows.append({"key": key, "what": what, **stats})
+    return rows
