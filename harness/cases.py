@@ -75,6 +75,14 @@ class ExpectedDivergence(_Strict):
     microbatch: Optional[int] = None
 
 
+class ResumeSpec(_Strict):
+    """Start from the checkpoint that run `variant` saves after step `after_step` (any layout: checkpoints
+    use global parameter names); the resumed steps are compared with this variant's reference run."""
+
+    variant: str
+    after_step: int = Field(ge=0)
+
+
 class VariantSpec(_Strict):
     name: str = Field(min_length=1, max_length=100)
     pipeline_model_parallel_layout: str
@@ -85,6 +93,7 @@ class VariantSpec(_Strict):
     inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
     compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
     repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
+    resume: Optional[ResumeSpec] = None  # start from another run's checkpoint
 
 
 class CaseSpec(_Strict):
@@ -162,18 +171,33 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
             raise UsageError(f"{path}: variant {v.name!r}: compare_to {v.compare_to!r} is not a variant")
         if v.compare_to == v.name:
             raise UsageError(f"{path}: variant {v.name!r}: compare_to names itself")
+        if v.resume is not None:
+            src = next((x for x in [spec.baseline] + spec.variants if x.name == v.resume.variant), None)
+            if src is None or src.resume is not None or src.name == v.name:
+                raise UsageError(f"{path}: variant {v.name!r}: resume.variant {v.resume.variant!r} must name "
+                                 "another variant that does not itself resume")
+            iters = TrainingConfig.model_validate({**spec.training.model_dump(), **v.options}).train_iters
+            if v.resume.after_step >= iters - 1:
+                raise UsageError(f"{path}: variant {v.name!r}: resume.after_step {v.resume.after_step} leaves "
+                                 f"no step to run (train_iters {iters})")
+    saves: dict = {}
+    for v in spec.variants:
+        if v.resume is not None and saves.setdefault(v.resume.variant, v.resume.after_step) != v.resume.after_step:
+            raise UsageError(f"{path}: run {v.resume.variant!r} can save one checkpoint; variants resume from it "
+                             "after different steps")
     if only:
         unknown = [n for n in only if n not in names]
         if unknown:
             raise UsageError(f"{path}: --only {unknown[0]!r} is not a variant (have: {', '.join(names)})")
     if only:      # keep the selected variants and, transitively, the runs they are compared with
-        refs = {v.name: v.compare_to or spec.baseline.name for v in spec.variants}
+        refs = {v.name: [v.compare_to or spec.baseline.name] + ([v.resume.variant] if v.resume else [])
+                for v in spec.variants}
         keep, todo = set(), list(only)
         while todo:
             n = todo.pop()
             if n not in keep:
                 keep.add(n)
-                todo += [refs[n]] if n in refs else []
+                todo += refs.get(n, [])
         only = keep
     runs = [_plan(path, spec, spec.baseline, True, inject)]
     runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]

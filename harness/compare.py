@@ -153,7 +153,10 @@ def compare(base: Trace, other: Trace) -> Comparison:
                                 detail=f"parameter inventory differs ({len(inventory)}): " + "; ".join(inventory[:5]))
     counts = {"grad": [], "param": []}
     norm_ulps = []
-    for bs, os_ in zip(base.steps, other.steps):
+    # align by step number: a resumed run starts after its checkpoint step
+    base_by_step = {st.step: st for st in base.steps}
+    pairs = [(base_by_step[st.step], st) for st in other.steps if st.step in base_by_step]
+    for bs, os_ in pairs:
         for mb, name, b, o in _loss_diffs(bs, os_):
             if first is None:
                 ulps = _ulps(b["hex"], o["hex"])
@@ -183,9 +186,11 @@ def compare(base: Trace, other: Trace) -> Comparison:
                             first = FirstDivergence(bs.step, "param", None, k,
                                                     f"buffer {bs.buffers.get(k)} vs {os_.buffers.get(k)}")
             counts[kind].append(per_family)
-    if len(base.steps) != len(other.steps) and first is None:
-        step = min(len(base.steps), len(other.steps))
-        first = FirstDivergence(step, "loss", None, "steps",
-                                f"baseline has {len(base.steps)} steps, variant {len(other.steps)}")
+    missing_steps = sorted(({st.step for st in other.steps} ^ {st.step for st in base.steps})
+                           - set(range(other.steps[0].step if other.steps else 0)))
+    if missing_steps and first is None:
+        first = FirstDivergence(missing_steps[0], "loss", None, "steps",
+                                f"step {missing_steps[0]} is in only one run ({len(base.steps)} vs {len(other.steps)} "
+                                "steps)")
     return Comparison(bitwise_equal=first is None, first_divergence=first, family_mismatches=counts,
                       inventory=inventory, grad_norm_ulps=norm_ulps)

@@ -26,7 +26,7 @@ def diverging_keys(ref: Trace, other: Trace, step: int, limit: int = MAX_TENSORS
 
 def _dump(cfg: RunConfig, keys: list[str], step: int, run_dir: Path, timeout: float, launcher: str) -> dict:
     cfg = cfg.model_copy(update={
-        "dump": DumpConfig(step=step, keys=keys, max_bytes=MAX_BYTES),
+        "dump": DumpConfig(step=step, keys=keys, max_bytes=MAX_BYTES), "checkpoint": None,
         "training": cfg.training.model_copy(update={"train_iters": step + 1})})
     out = run_ranks(cfg, run_dir, timeout, launcher)
     if not out.ok:

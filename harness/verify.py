@@ -21,8 +21,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional
 
+import dataclasses
 from dataclasses import asdict
 
+from reference_impl.config import CheckpointConfig
 from reference_impl.schedule import build_schedule, serialise, timeline
 
 from .cases import CasePlan, PlannedRun
@@ -189,11 +191,21 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
 def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all) -> CaseResult:
     env = environment()
     timeout = timeout_s or plan.spec.timeout_s
-    traces, outcomes, dirs, taken, repeats = {}, {}, {}, set(), {}
+    traces, outcomes, repeats = {}, {}, {}
+    taken: set = set()
+    dirs = {r.spec.name: Path("runs") / _dir_name(r.spec.name, taken) for r in plan.runs}
     plan_configs = {r.spec.name: r.config for r in plan.runs}
-    for i, run in enumerate(plan.runs, start=1):
+    # checkpoints: a run that others resume from saves after their step; resuming runs go last
+    for r in plan.runs:
+        if r.spec.resume:
+            src, k = r.spec.resume.variant, r.spec.resume.after_step
+            ckpt = str(work / dirs[src] / f"checkpoint-step{k}")
+            plan_configs[src] = plan_configs[src].model_copy(update={"checkpoint": CheckpointConfig(step=k, dir=ckpt)})
+            plan_configs[r.spec.name] = plan_configs[r.spec.name].model_copy(update={"resume_from": ckpt})
+    order = sorted(plan.runs, key=lambda r: r.spec.resume is not None)
+    for i, run in enumerate(order, start=1):
         name = run.spec.name
-        dirs[name] = Path("runs") / _dir_name(name, taken)
+        run = dataclasses.replace(run, config=plan_configs[name])
         progress(f"[{i}/{len(plan.runs)}] {name}: P={run.layout.pipeline_model_parallel_size} "
                  f"V={run.layout.virtual_pipeline_model_parallel_size} {run.layout.text} ...")
         outcome = run_ranks(run.config, work / dirs[name], timeout, launcher)

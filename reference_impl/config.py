@@ -162,6 +162,13 @@ class DumpConfig(_Strict):
     max_bytes: int = Field(256 << 20, ge=1)
 
 
+class CheckpointConfig(_Strict):
+    """Save a checkpoint (`reference_impl.checkpoint`) into `dir` after step `step` completes."""
+
+    step: int = Field(ge=0)
+    dir: str
+
+
 class RunConfig(_Strict):
     """One complete training run: what every rank receives."""
 
@@ -174,5 +181,7 @@ class RunConfig(_Strict):
     num_gpus: Optional[int] = Field(None, ge=1)  # cuda: spread ranks over this many GPUs (default: all)
     capture: Literal["full", "losses"] = "full"  # "losses": no fingerprints (capture-overhead benchmark only)
     dump: Optional[DumpConfig] = None
+    checkpoint: Optional[CheckpointConfig] = None
+    resume_from: Optional[str] = None            # checkpoint directory: continue after its step
     inject: Optional[str] = None             # test-only planted fault (reference_impl.faults)
     rank_timeout_s: float = Field(120.0, gt=0)  # gloo collective / p2p timeout inside ranks

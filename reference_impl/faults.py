@@ -6,6 +6,8 @@ one well-defined place by a one-line hook in the trainer; with ``inject=None`` e
 
 Numerics (the harness must report ``fail`` at the stated first divergence):
 
+* ``reset_optimizer_on_resume``: a resumed run drops the checkpoint's AdamW state (restarts its moments),
+  -> the first resumed step's parameters differ.
 * ``nondeterministic_grad``: XOR the low mantissa bits of that same gradient element with the rank's process
   id, so two runs of one configuration differ (a run-to-run nondeterminism, for the ``repeat:`` control).
 * ``grad_bit_flip``: flip the lowest mantissa bit of element 0 of the gradient of the last decoder layer's
@@ -54,7 +56,7 @@ import time
 
 import torch
 
-FAULTS = ("grad_bit_flip", "nondeterministic_grad", "swap_backward_microbatches", "skip_final_norm_standalone", "double_final_norm_mtp",
+FAULTS = ("grad_bit_flip", "nondeterministic_grad", "reset_optimizer_on_resume", "swap_backward_microbatches", "skip_final_norm_standalone", "double_final_norm_mtp",
           "unsynced_embedding_replica", "mtp_loss_main_mask_count", "rescale_grads_per_microbatch",
           "grad_norm_counts_replica", "wrong_microbatch_activation", "renorm_when_mtp_alone", "wrong_wd_group",
           "crash_rank", "hang_rank")
@@ -181,3 +183,9 @@ def after_grads(name, step, params, num_layers):
         if key == target:
             flat = p.main_grad.view(-1).view(torch.int32)
             flat[0] ^= 1 if name == "grad_bit_flip" else (os.getpid() & 0xFFFF) | 1
+
+
+def after_resume(name, optimizer):
+    """Resume faults: ``reset_optimizer_on_resume`` forgets the loaded optimizer state."""
+    if name == "reset_optimizer_on_resume":
+        optimizer.state.clear()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from . import faults, names
+from . import checkpoint, faults, names
 from .capture import FORMAT, TraceWriter, scalar
 from .config import RunConfig
 from .data import TokenDataset
@@ -94,9 +94,13 @@ class RankState:
                 used += t.numel() * t.element_size()
         return out
 
-    def buffers(self) -> dict:
-        bufs = [(name, buf) for chunk in self.chunks.values() for name, buf in chunk.named_buffers()
+    def named_buffers(self):
+        """(global name, tensor) of the state buffers that persist across steps (router expert bias)."""
+        return [(name, buf) for chunk in self.chunks.values() for name, buf in chunk.named_buffers()
                 if name.endswith("expert_bias")]
+
+    def buffers(self) -> dict:
+        bufs = self.named_buffers()
         return dict(zip((n for n, _ in bufs), fingerprint_hex_many([b for _, b in bufs])))
 
 
@@ -129,7 +133,11 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
     writer = TraceWriter(trace_path)
     writer.write(state.header())
     writer.write({"type": "init", "params": state.fingerprints("master")})
-    for step in range(t.train_iters):
+    first_step = 0
+    if cfg.resume_from is not None:
+        first_step = checkpoint.load(state, optimizer, Path(cfg.resume_from)) + 1
+        faults.after_resume(cfg.inject, optimizer)
+    for step in range(first_step, t.train_iters):
         start = time.perf_counter()
         faults.at_step_start(cfg.inject, step, rank, dist.get_world_size())
         mbs = [Microbatch(*(x.to(state.device) for x in data.microbatch(step, m))) for m in range(t.num_microbatches)]
@@ -167,5 +175,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
             record["lm_loss"] = scalar(reported_lm_loss(outs))
         record["time_s"] = time.perf_counter() - start
         writer.write(record)
+        if cfg.checkpoint is not None and cfg.checkpoint.step == step:
+            checkpoint.save(state, optimizer, Path(cfg.checkpoint.dir), step)
     writer.write({"type": "end"})
     writer.close()
