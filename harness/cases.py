@@ -103,6 +103,7 @@ class CaseSpec(_Strict):
     device: Literal["cpu", "cuda"] = "cpu"
     params_dtype: Optional[Literal["float32", "bfloat16"]] = None   # default: float32 on cpu, bfloat16 on cuda
     num_gpus: Optional[int] = Field(None, ge=1)                      # cuda: GPUs to spread ranks over
+    capture: Literal["full", "activations"] = "full"                 # activations: in-step fingerprints too
     model: ModelConfig
     training: TrainingConfig = TrainingConfig()
     baseline: VariantSpec
@@ -280,7 +281,7 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         raise UsageError(f"{where}: {e}") from None
     config = RunConfig(model=spec.model, training=training, inject=fault, device=spec.device,
                        params_dtype=spec.params_dtype or ("bfloat16" if spec.device == "cuda" else "float32"),
-                       num_gpus=spec.num_gpus,
+                       num_gpus=spec.num_gpus, capture=spec.capture,
                        parallel=ParallelConfig(pipeline_model_parallel_layout=v.pipeline_model_parallel_layout,
                                                pipeline_model_parallel_size=v.pipeline_model_parallel_size))
     return PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)

@@ -81,6 +81,9 @@ class VariantResult:
     # "grad"|"param", dtype, numel, differing, fraction, max_ulp, median_ulp, histogram, max_abs_err,
     # max_rel_err, nan_mismatch}; [] when not collected.  `evidence_error`: why collection failed.
     ulp_evidence: list = field(default_factory=list)
+    # with capture: activations (`harness.localise`): {step, microbatch, tensor, direction, message} of the
+    # first differing in-step tensor; {} when not captured or not found
+    localisation: dict = field(default_factory=dict)
     evidence_error: str = ""
     timeline: list = field(default_factory=list)
     bubble_fraction: Optional[float] = None

@@ -57,6 +57,20 @@ def _stacks(procs, ranks, run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+_VICTIM = ("Connection closed by peer", "remote worker", "Connection reset by peer")
+
+
+def _root_cause(procs, first: int, run_dir: Path) -> str:
+    """Error text of the rank that failed on its own: peers of a crashed rank fail too ("Connection closed
+    by peer"), sometimes sooner; wait a moment and prefer a rank whose last log line is not such a symptom."""
+    time.sleep(0.5)
+    failed = [first] + [r for r, p in enumerate(procs) if r != first and p.exitcode not in (None, 0)]
+    logs = {r: tail(run_dir / f"rank{r}.log") for r in failed}
+    last = {r: (logs[r].strip().splitlines() or ["(empty log)"])[-1] for r in failed}
+    r = next((r for r in failed if not any(v in last[r] for v in _VICTIM)), first)
+    return f"rank {r} exited with code {procs[r].exitcode}: {last[r]}\nlast lines of rank{r}.log:\n{logs[r]}"
+
+
 def _stop(procs) -> None:
     procs = [p for p in procs if p.pid is not None]     # started ones only
     for p in procs:
@@ -139,9 +153,7 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "
                 procs[r].join()
                 code = procs[r].exitcode
                 if code != 0:
-                    log = tail(run_dir / f"rank{r}.log")
-                    last = log.strip().splitlines()[-1] if log.strip() else "(empty log)"
-                    error = f"rank {r} exited with code {code}: {last}\nlast lines of rank{r}.log:\n{log}"
+                    error = _root_cause(procs, r, run_dir)
                     break
     finally:
         _stop(procs)

@@ -32,6 +32,8 @@ class StepTrace:
     params: dict = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)
     time_s: dict = field(default_factory=dict)       # rank -> seconds
+    activations: dict = field(default_factory=dict)  # "<mb>/<global key>" -> fingerprint (capture: activations)
+    boundaries: dict = field(default_factory=dict)   # "<F|B>/<sender stage>/<mb>/<send|recv>" -> fingerprint
 
 
 @dataclass
@@ -90,6 +92,8 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                 st.losses, st.lm_loss = rec["losses"], rec["lm_loss"]
             st.grad_norm, st.clip_coeff, st.clipped = rec["grad_norm"], rec["clip_coeff"], rec.get("clipped")
             st.time_s[str(rank)] = rec["time_s"]
+            st.activations.update(rec.get("activations", {}))
+            st.boundaries.update(rec.get("boundaries", {}))
     counts = {len(st.time_s) for st in steps.values()}
     if counts and counts != {world_size}:
         raise TraceError(f"ranks disagree on the number of steps in {run_dir}")

@@ -31,6 +31,7 @@ from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
 from .errors import UsageError
 from .evidence import collect as collect_evidence
+from .localise import boundary_mismatches, localise
 from .report import write_report
 from .results import CaseResult, StepSeries, VariantResult
 from .runner import RunOutcome, run_ranks
@@ -166,7 +167,7 @@ def _comparison_record(v: VariantResult) -> dict:
             "verdict": v.verdict, "reason": v.reason, "bitwise_equal": v.bitwise_equal,
             "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
             "inventory": v.inventory, "replica_status": v.replica_status, "run_to_run": v.run_to_run,
-            "ulp_evidence": v.ulp_evidence, "evidence_error": v.evidence_error}
+            "ulp_evidence": v.ulp_evidence, "evidence_error": v.evidence_error, "localisation": v.localisation}
 
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
@@ -238,8 +239,14 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         cmp = compare(ref, trace) if error is None else None
         replicas = replica_status(trace) if trace is not None else {}
         verdict, reason = judge(run, cmp, error, replicas, repeats.get(name))
-        evidence, evidence_error = [], ""
+        corrupted = boundary_mismatches(trace) if trace is not None else []
+        if corrupted and verdict != "error":
+            verdict, reason = "fail", f"stage boundary: {corrupted[0]}"
         fd = cmp.first_divergence if cmp else None
+        where = localise(ref, trace, fd.step) if fd is not None and fd.kind != "inventory" else None
+        if where:
+            reason += f"; localised: {where['message']}"
+        evidence, evidence_error = [], ""
         if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all):
             progress(f"      collecting ULP evidence at step {fd.step} ...")
             try:
@@ -258,7 +265,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             command=shlex.join(["bitparity", "verify", str(plan.path), "--only", name, "--out", str(out_root)]),
             reductions=t.reductions, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
             bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas,
-            run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error))
+            run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error,
+            localisation=where or {}))
         (work / dirs[name] / "comparison.json").write_text(json.dumps(_comparison_record(variants[-1]), indent=1))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads

@@ -179,7 +179,9 @@ class RunConfig(_Strict):
     # Megatron's params_dtype: bf16 keeps fp32 main_grad and fp32 optimizer master weights (as --bf16)
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     num_gpus: Optional[int] = Field(None, ge=1)  # cuda: spread ranks over this many GPUs (default: all)
-    capture: Literal["full", "losses"] = "full"  # "losses": no fingerprints (capture-overhead benchmark only)
+    # full: losses, grads, params; activations: also every layer's input/output (+grads) and every boundary
+    # tensor per microbatch (reference_impl/probe.py); losses: no fingerprints (capture-overhead benchmark only)
+    capture: Literal["full", "activations", "losses"] = "full"
     dump: Optional[DumpConfig] = None
     checkpoint: Optional[CheckpointConfig] = None
     resume_from: Optional[str] = None            # checkpoint directory: continue after its step

@@ -44,9 +44,9 @@ class StepExecutor:
     """
 
     def __init__(self, chunks: dict[int, StageChunk], num_microbatches: int, transport, dtype: torch.dtype,
-                 inject: Optional[str] = None):
+                 inject: Optional[str] = None, probe=None):
         self.chunks, self.m, self.transport, self.dtype = chunks, num_microbatches, transport, dtype
-        self.inject = inject
+        self.inject, self.probe = inject, probe
 
     def run(self, actions: list[Action], microbatches: list[Microbatch]) -> list[LossOutput]:
         inputs: dict = {}       # (stage, mb) -> received activation (requires grad)
@@ -66,6 +66,8 @@ class StepExecutor:
                 buf, sent = self.transport.batch(pending, (a.shape, self.dtype, a.peer, tag))
                 works += sent
                 pending = []
+                if self.probe is not None:
+                    self.probe.boundary(direction, sender, a.microbatch, "recv", buf)
                 if a.op == "RECV_F":
                     inputs[key] = buf.requires_grad_()
                 else:
@@ -80,6 +82,8 @@ class StepExecutor:
                     losses[a.microbatch] = out
             elif a.op == "SEND_F":
                 out = stash[key][1].detach()
+                if self.probe is not None:
+                    self.probe.boundary("F", a.stage, a.microbatch, "send", out)
                 pending.append((out, a.peer, _tag("F", a.stage, a.microbatch, self.m)))
             elif a.op == "B":
                 x, out = stash.pop(key)
@@ -92,6 +96,8 @@ class StepExecutor:
                     stash[("grad",) + key] = x.grad
             elif a.op == "SEND_B":
                 g = stash.pop(("grad",) + key)
+                if self.probe is not None:
+                    self.probe.boundary("B", a.stage, a.microbatch, "send", g)
                 pending.append((g, a.peer, _tag("B", a.stage, a.microbatch, self.m)))
             else:
                 raise ValueError(f"unknown action {a}")

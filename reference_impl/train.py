@@ -21,6 +21,7 @@ from .data import TokenDataset
 from .executor import StepExecutor
 from .fingerprint import fingerprint_hex_many
 from .init import init_parameters
+from .probe import Probe
 from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
 from .layout import PipelineLayout
 from .model.chunk import Microbatch, StageChunk
@@ -128,7 +129,10 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
     actions = faults.schedule(cfg.inject, actions, layout, rank)
     sync_embedding = EmbeddingSync(layout, rank, state.params, transport, cfg.inject)
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, cfg.model.vocab_size)
-    executor = StepExecutor(state.chunks, t.num_microbatches, transport, state.dtype, cfg.inject)
+    probe = Probe() if cfg.capture == "activations" else None
+    for chunk in state.chunks.values():
+        chunk.probe = probe
+    executor = StepExecutor(state.chunks, t.num_microbatches, transport, state.dtype, cfg.inject, probe)
     optimizer = make_optimizer(state)
     writer = TraceWriter(trace_path)
     writer.write(state.header())
@@ -140,7 +144,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
     for step in range(first_step, t.train_iters):
         start = time.perf_counter()
         faults.at_step_start(cfg.inject, step, rank, dist.get_world_size())
-        mbs = [Microbatch(*(x.to(state.device) for x in data.microbatch(step, m))) for m in range(t.num_microbatches)]
+        mbs = [Microbatch(*(x.to(state.device) for x in data.microbatch(step, m)), index=m)
+               for m in range(t.num_microbatches)]
         outs = executor.run(actions, mbs)
         sync_embedding()
         for chunk in state.chunks.values():
@@ -173,6 +178,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
             record["losses"] = [{"microbatch": m, "lm": scalar(o.lm_loss), "num_tokens": int(o.num_tokens.item()),
                                  "mtp": [scalar(x) for x in o.mtp_losses]} for m, o in enumerate(outs)]
             record["lm_loss"] = scalar(reported_lm_loss(outs))
+        if probe is not None:
+            record.update(probe.take())
         record["time_s"] = time.perf_counter() - start
         writer.write(record)
         if cfg.checkpoint is not None and cfg.checkpoint.step == step:

@@ -29,6 +29,7 @@ class Microbatch:
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
+    index: int = 0            # microbatch number within the step
 
 
 class _Embedding(nn.Module):
@@ -75,6 +76,7 @@ class StageChunk(nn.Module):
         if self.has_loss:
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._rope: dict = {}
+        self.probe = None         # reference_impl.probe.Probe when capture == "activations"
 
     def global_parameters(self):
         """Yield (global name, replica tag or None, parameter) in module order.
@@ -99,23 +101,29 @@ class StageChunk(nn.Module):
             self._rope[key] = (cos.to(device, dtype), sin.to(device, dtype))
         return self._rope[key]
 
+    def _probe(self, mb: Microbatch, key: str, t: torch.Tensor) -> torch.Tensor:
+        return self.probe(mb.index, key, t) if self.probe is not None else t
+
     def forward(self, x: Optional[torch.Tensor], mb: Microbatch):
-        h = self.embedding(mb.tokens) if self.has_embedding_input else x
+        h = self._probe(mb, "embedding.output", self.embedding(mb.tokens)) if self.has_embedding_input else x
         computed = self.has_embedding_input
         cos, sin = self.rope(mb.tokens.shape[1], mb.tokens.device, h.dtype)
-        for layer in self.decoder.layers.values():
-            h, computed = layer(h, cos, sin), True
+        for i, layer in self.decoder.layers.items():
+            h = self._probe(mb, f"decoder.layers.{i}.input", h)
+            h, computed = self._probe(mb, f"decoder.layers.{i}.output", layer(h, cos, sin)), True
         if self.applies_final_norm:
-            h, computed = self.decoder.final_layernorm(h), True
+            h, computed = self._probe(mb, "decoder.final_layernorm.output", self.decoder.final_layernorm(h)), True
         if self.has_mtp:
+            h = self._probe(mb, "mtp.input", h)
             embed = self.mtp_embedding if hasattr(self, "mtp_embedding") else self.embedding
             h = faults.mtp_input(self.inject, self.symbols, h)
             h_mtp = faults.mtp_layers_input(self.inject, h, getattr(self.decoder, "final_layernorm", None))
             out = self.mtp(h_mtp, mb.tokens, embed, cos, sin)
             if h_mtp is not h:      # planted fault: only the MTP layers saw the changed h0, the main path keeps h
                 out = torch.cat((h, out[h.shape[0]:]), dim=0)
-            h, computed = out, True
+            h, computed = self._probe(mb, "mtp.output", out), True
         if self.has_loss:
+            h = self._probe(mb, "head.input", h)
             return lm_and_mtp_loss(self.output_layer, h, mb.labels, mb.loss_mask, self.cfg.mtp_num_layers,
                                    self.cfg.mtp_loss_scaling_factor,
                                    faults.loss_divisor(self.inject, self.num_microbatches), inject=self.inject)
