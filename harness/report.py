@@ -28,7 +28,8 @@ from markupsafe import Markup
 
 from harness.results import FAMILIES, CaseResult, FirstDivergence, VariantResult
 
-__all__ = ["write_report", "summary_dict", "junit_xml", "markdown_summary", "render_html", "timeline_svg"]
+__all__ = ["write_report", "summary_dict", "junit_xml", "markdown_summary", "render_html", "timeline_svg",
+           "ulp_histogram_svg", "family_heatmap_svg", "run_to_run_words"]
 
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
 TEMPLATE_NAME = "report.html.j2"
@@ -224,7 +225,17 @@ def summary_dict(result: CaseResult) -> dict:
                        "clip_grad": float, "bubble_fraction": float|None,
                        "inventory": [str],
                        "replica_status": {} | {"consistent": bool, "first_broken_step": int|None,
-                                               "replicas": [str], "detail": str}}],
+                                               "replicas": [str], "detail": str},
+                       "run_to_run": {} | {"runs": int, "deterministic": bool,
+                                           "first_divergence": None | {"step", "kind", "microbatch",
+                                                                       "name", "detail"},
+                                           "detail": str},
+                       "ulp_evidence": [{"key": str, "what": "grad"|"param", "dtype": str, "numel": int,
+                                         "differing": int, "fraction": float, "max_ulp": int,
+                                         "median_ulp": float, "histogram": [[int|None, int]],
+                                         "max_abs_err": float, "max_rel_err": float,
+                                         "nan_mismatch": int}],
+                       "evidence_error": str}],
          "environment": {...}}
 
     Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the
@@ -232,7 +243,12 @@ def summary_dict(result: CaseResult) -> dict:
     clipping is off; ``bubble_fraction`` is the idle share of rank-time of the schedule played with
     unit costs (None when unknown).  ``inventory`` lists the parameter-inventory differences from that
     run (empty when the inventories match or were not compared); ``replica_status`` is the run's own
-    replica consistency (``{}`` when the run errored).
+    replica consistency (``{}`` when the run errored).  ``run_to_run`` is the run-to-run control of a
+    variant run several times (``{}`` when it ran once): nondeterminism, reported apart from the layout
+    comparison.  ``ulp_evidence`` measures each differing tensor at the first diverging step in ULPs, with
+    its histogram (``[upper bound, count]`` on power-of-two buckets, None = above 2^24); ``[]`` when not
+    collected, ``evidence_error`` saying why collection failed (``""`` otherwise).  Non-finite numbers are
+    written as strings so the file stays strict JSON.
     """
     variants = []
     for v in result.variants:
@@ -260,6 +276,9 @@ def summary_dict(result: CaseResult) -> dict:
             "bubble_fraction": _finite_or_none(v.bubble_fraction),
             "inventory": inventory_lines(v),
             "replica_status": _json_safe(dict(v.replica_status)) if isinstance(v.replica_status, dict) else {},
+            "run_to_run": _json_safe(dict(v.run_to_run)) if isinstance(v.run_to_run, dict) else {},
+            "ulp_evidence": [_json_safe(dict(e)) for e in (v.ulp_evidence or []) if isinstance(e, dict)],
+            "evidence_error": _clean_text(v.evidence_error or ""),
         })
     return {
         "case": str(result.case),
@@ -735,6 +754,302 @@ def _family_tables(v: VariantResult) -> list[dict]:
     return tables
 
 
+# --------------------------------------------------------------------------------------------------
+# ULP evidence, run-to-run control and the differing-parameter heatmap of a variant card
+# (inline SVG built here: deterministic, escaped, no JavaScript, no external resources)
+# --------------------------------------------------------------------------------------------------
+
+#: Upper bounds (in ULPs) of the histogram buckets of `harness.ulp.tensor_stats`; None = above the last one.
+ULP_BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024, 2 ** 16, 2 ** 24, None)
+ULP_BAR = "#0969da"
+HEATMAP_ZERO = "#eaeef2"
+#: Colour ramp of nonzero heatmap cells: light (one differing tensor) to dark (the variant's maximum).
+HEATMAP_LOW = (255, 216, 211)
+HEATMAP_HIGH = (130, 7, 30)
+HEATMAP_MAX_WIDTH = 1100
+
+_UH_SLOT = 34        # px per histogram bucket
+_UH_BAR = 26
+_UH_PAD = 6
+_UH_TOP = 14         # room for the counts above the bars
+_UH_PLOT_H = 46
+_UH_LABEL_H = 16
+
+_HM_ROW_H = 16
+_HM_MAX_CELL = 28
+_HM_AXIS_H = 16
+_HM_TITLE_H = 18
+_HM_PANEL_GAP = 10
+_HM_PAD_R = 12
+
+
+def _int_or_none(x: Any) -> Optional[int]:
+    if isinstance(x, bool):
+        return None
+    f = _finite_or_none(x)
+    return None if f is None or f != int(f) else int(f)
+
+
+def ulp_bound_words(upper: Any) -> str:
+    """A bucket's upper bound: ``1``, ``1024``; powers of two from 2^11 up as ``2^16``, ``2^24``."""
+    n = _int_or_none(upper)
+    if n is None:
+        f = _finite_or_none(upper)
+        return "?" if f is None else _num(f)
+    if n > 1024 and n & (n - 1) == 0:
+        return f"2^{n.bit_length() - 1}"
+    return str(n)
+
+
+def _ulp_buckets(hist: Any) -> list[tuple[Optional[float], int]]:
+    """The histogram on the standard buckets (`ULP_BUCKETS`, plus any other bound it names), in order,
+    zero counts included; None (unbounded) last.  Malformed entries are skipped, repeated bounds summed."""
+    counts: dict = {}
+    for item in hist if isinstance(hist, (list, tuple)) else []:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            continue
+        upper, n = item
+        count = _int_or_none(n)
+        if count is None or count < 0:
+            continue
+        if upper is None:
+            key = None
+        else:
+            try:
+                key = float(upper)
+            except (TypeError, ValueError):
+                continue
+            if math.isnan(key) or key <= 0:
+                continue
+            if math.isinf(key):
+                key = None          # +inf: the unbounded bucket
+        counts[key] = counts.get(key, 0) + count
+    bounds = sorted({float(b) for b in ULP_BUCKETS if b is not None} | {k for k in counts if k is not None})
+    return [(b, counts.get(b, 0)) for b in bounds] + [(None, counts.get(None, 0))]
+
+
+def ulp_bucket_label(upper: Any, top: Any = ULP_BUCKETS[-2]) -> str:
+    """``≤1``, ``≤2``, ... ``≤2^24``; the unbounded bucket (None) reads ``>`` + `top` (``>2^24``)."""
+    return f">{ulp_bound_words(top)}" if upper is None else f"≤{ulp_bound_words(upper)}"
+
+
+def _compact(n: int) -> str:
+    if n < 10000:
+        return str(n)
+    if n < 1_000_000:
+        return f"{n // 1000}k"
+    return f"{n / 1e6:.1f}M"
+
+
+def ulp_histogram_svg(entry: Any) -> Optional[str]:
+    """Small inline SVG: one bar per ULP bucket of one ULP-evidence row (linear height, the count above it,
+    a ``<title>`` tooltip with the exact count), buckets labelled ``≤1``, ``≤2``, ... ``>2^24``.
+
+    Every standard bucket is drawn (empty ones as a gap) so all histograms share one axis.  None when the
+    entry has no histogram or every count is zero.  Deterministic for equal input.
+    """
+    if not isinstance(entry, dict):
+        return None
+    buckets = _ulp_buckets(entry.get("histogram"))
+    total = sum(n for _, n in buckets)
+    if total <= 0:
+        return None
+    top = max(b for b, _ in buckets if b is not None)
+    peak = max(n for _, n in buckets)
+    width = 2 * _UH_PAD + len(buckets) * _UH_SLOT
+    base_y = _UH_TOP + _UH_PLOT_H
+    height = base_y + _UH_LABEL_H
+    what, key = _clean_text(entry.get("what") or "tensor"), _clean_text(entry.get("key") or "")
+    label = f"ULP histogram of {what} {key}: {total} differing elements"
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="ulp-hist-svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="{_attr(label)}" '
+           f'font-family="{_TL_FONT}" font-size="9">',
+           f'<line x1="{_UH_PAD}" y1="{base_y}" x2="{width - _UH_PAD}" y2="{base_y}" stroke="#8c959f" '
+           f'stroke-width="0.8"/>']
+    for i, (upper, n) in enumerate(buckets):
+        x = _UH_PAD + i * _UH_SLOT + (_UH_SLOT - _UH_BAR) / 2
+        cx = _UH_PAD + i * _UH_SLOT + _UH_SLOT / 2
+        text = ulp_bucket_label(upper, top)
+        if n:
+            h = max(1.5, _UH_PLOT_H * n / peak)
+            share = f"{100.0 * n / total:.3g} %"
+            tip = f"{text} ULP: {n} element{'s' if n != 1 else ''} ({share} of the differing ones)"
+            out.append(f'<rect class="ulp-bar" x="{_num(x)}" y="{_num(base_y - h)}" width="{_UH_BAR}" '
+                       f'height="{_num(h)}" fill="{ULP_BAR}"><title>{_attr(tip)}</title></rect>')
+            out.append(f'<text class="ulp-count" x="{_num(cx)}" y="{_num(base_y - h - 3)}" text-anchor="middle" '
+                       f'fill="#1f2328">{_compact(n)}</text>')
+        out.append(f'<text class="ulp-bucket{" empty" if not n else ""}" x="{_num(cx)}" y="{base_y + 12}" '
+                   f'text-anchor="middle" font-size="8" fill="{"#1f2328" if n else "#8c959f"}">{_attr(text)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _sig(x: Any, digits: int = 3) -> Optional[str]:
+    f = _finite_or_none(x)
+    return None if f is None else f"{f:.{digits}g}"
+
+
+def _ulp_rows(v: VariantResult) -> list[dict]:
+    """Display rows of `v.ulp_evidence` (entries that are not dicts are skipped), in the producer's order."""
+    rows = []
+    for e in v.ulp_evidence or []:
+        if not isinstance(e, dict):
+            continue
+        numel, differing = _int_or_none(e.get("numel")), _int_or_none(e.get("differing"))
+        frac = _finite_or_none(e.get("fraction"))
+        if frac is None and numel and differing is not None:
+            frac = differing / numel
+        nan, max_ulp = _int_or_none(e.get("nan_mismatch")), _int_or_none(e.get("max_ulp"))
+        svg = ulp_histogram_svg(e)
+        rows.append({
+            "key": _clean_text(e.get("key")), "what": _clean_text(e.get("what")),
+            "key_parts": re.findall(r"[^.]*\.|[^.]+", _clean_text(e.get("key"))),   # break after dots
+            "dtype": _clean_text(e.get("dtype")),
+            "numel": None if numel is None else f"{numel:,}",
+            "differing": None if differing is None else f"{differing:,}",
+            "fraction": None if frac is None else f"{100.0 * frac:.3g} %",
+            "max_ulp": None if max_ulp is None else str(max_ulp),
+            "median_ulp": _sig(e.get("median_ulp"), 6),
+            "max_abs": _sig(e.get("max_abs_err")), "max_rel": _sig(e.get("max_rel_err")),
+            "nan": nan, "svg": Markup(svg) if svg else None,
+        })
+    return rows
+
+
+def _ulp_section(v: VariantResult) -> Optional[dict]:
+    """Data of a card's "ULP evidence" block; None when there is neither evidence nor an evidence error."""
+    rows = _ulp_rows(v)
+    error = _clean_text(v.evidence_error or "").strip()
+    if not rows and not error:
+        return None
+    fd = v.first_divergence
+    step = fd.step if fd is not None and fd.kind in ("grad", "param") else None
+    return {"rows": rows, "error": error, "step": step}
+
+
+def run_to_run_words(rr: Any) -> str:
+    """One line for a `VariantResult.run_to_run`: ``"3 runs bitwise equal"`` or
+    ``"NONDETERMINISTIC: <detail>"``; ``""`` when the variant ran once (``{}``)."""
+    if not isinstance(rr, dict) or not rr:
+        return ""
+    detail = _clean_text(rr.get("detail") or "").strip()
+    if rr.get("deterministic") is False:
+        return f"NONDETERMINISTIC: {detail or 'the repeated runs differ'}"
+    runs = _int_or_none(rr.get("runs"))
+    return f"{runs} runs bitwise equal" if runs is not None else (detail or "runs bitwise equal")
+
+
+def _run_to_run(v: VariantResult) -> Optional[dict]:
+    """Data of a card's "Run-to-run control" block; None when the variant ran once."""
+    words = run_to_run_words(v.run_to_run)
+    if not words:
+        return None
+    rr = v.run_to_run
+    fd, fd_detail = None, ""
+    raw = rr.get("first_divergence")
+    if isinstance(raw, dict):
+        try:
+            mb = raw.get("microbatch")
+            fd = divergence_words(FirstDivergence(step=int(raw.get("step", 0)), kind=str(raw.get("kind", "")),
+                                                  microbatch=None if mb is None else int(mb),
+                                                  name=_clean_text(raw.get("name", ""))))
+        except (TypeError, ValueError):
+            fd = None
+        fd_detail = _clean_text(raw.get("detail") or "")
+    return {"words": words, "deterministic": rr.get("deterministic") is not False,
+            "runs": _int_or_none(rr.get("runs")), "fd": fd, "fd_detail": fd_detail}
+
+
+def _heat_colour(n: int, peak: int) -> tuple[str, str]:
+    """(fill, text colour) of a heatmap cell with `n` differing tensors, `peak` the variant's maximum."""
+    if n <= 0:
+        return HEATMAP_ZERO, "#8c959f"
+    t = 1.0 if peak <= 1 else (n - 1) / (peak - 1)
+    t = 0.15 + 0.85 * t          # one differing tensor is already clearly tinted
+    rgb = tuple(round(lo + (hi - lo) * t) for lo, hi in zip(HEATMAP_LOW, HEATMAP_HIGH))
+    return "#%02x%02x%02x" % rgb, "#ffffff" if t > 0.55 else "#1f2328"
+
+
+def family_heatmap_svg(v: VariantResult) -> Optional[str]:
+    """Inline SVG heatmap of `v.family_mismatches`: one panel per kind present (grad, then param), families as
+    rows, steps as columns; colour intensity by the number of differing tensors (one scale for both panels,
+    darkest at the variant's maximum), zero cells light grey.  Every cell has a ``<title>`` tooltip and
+    shows its count when it fits.  None when there are no counts or all are zero.  Deterministic."""
+    tables = _family_tables(v)
+    if not tables or sum(t["total"] for t in tables) == 0:
+        return None
+    peak = max(max(r["counts"] or [0]) for t in tables for r in t["rows"])
+    families = [r["family"] for r in tables[0]["rows"]]
+    for t in tables[1:]:
+        families += [r["family"] for r in t["rows"] if r["family"] not in families]
+    label_w = max(96.0, 6.2 * max(len(_clean_text(f)) for f in families) + 14)
+    n_steps = max(len(t["steps"]) for t in tables)
+    avail = HEATMAP_MAX_WIDTH - label_w - _HM_PAD_R
+    cell = min(float(_HM_MAX_CELL), avail / max(1, n_steps))
+    width = max(label_w + n_steps * cell + _HM_PAD_R, 360.0)
+    tick = _tick_step(cell) if cell < 24 else 1
+    stroke = "1" if cell >= 8 else "0.25"      # thin separators when the cells are narrow
+
+    out, y = [], 0.0
+    for t in tables:
+        rows = {r["family"]: r["counts"] for r in t["rows"]}
+        out.append(f'<text class="hm-title" x="0" y="{_num(y + 12)}" fill="#1f2328" font-weight="600">'
+                   f'{_attr(t["kind"])} · {t["total"]} differing</text>')
+        y += _HM_TITLE_H
+        for s in t["steps"]:
+            if s % tick == 0:
+                out.append(f'<text class="hm-step" x="{_num(label_w + (s + 0.5) * cell)}" y="{_num(y + 11)}" '
+                           f'text-anchor="middle" fill="#656d76" font-size="10">{s}</text>')
+        y += _HM_AXIS_H
+        for fam in families:
+            counts = rows.get(fam, [0] * len(t["steps"]))
+            out.append(f'<text x="{_num(label_w - 6)}" y="{_num(y + _HM_ROW_H / 2 + 4)}" text-anchor="end" '
+                       f'fill="#1f2328">{_attr(fam)}</text>')
+            for s, n in enumerate(counts):
+                fill, ink = _heat_colour(n, peak)
+                x = label_w + s * cell
+                tip = f"{t['kind']} · {fam} · step {s}: {n} differing tensor{'s' if n != 1 else ''}"
+                out.append(f'<rect class="hm-cell {_attr(t["kind"])} {"nonzero" if n else "zero"}" x="{_num(x)}" '
+                           f'y="{_num(y)}" width="{_num(cell)}" height="{_HM_ROW_H}" fill="{fill}" '
+                           f'stroke="#ffffff" stroke-width="{stroke}"><title>{_attr(tip)}</title></rect>')
+                if n and cell >= 6.5 * len(str(n)) + 3:
+                    out.append(f'<text class="hm-count" x="{_num(x + cell / 2)}" y="{_num(y + _HM_ROW_H / 2 + 3.5)}" '
+                               f'text-anchor="middle" fill="{ink}" font-size="10">{n}</text>')
+            y += _HM_ROW_H
+        y += _HM_PANEL_GAP
+    # legend: zero, then the ramp at a few counts up to the maximum
+    samples = sorted({1, peak} | {max(1, round(peak * q)) for q in (0.25, 0.5, 0.75)})
+    note = "differing tensors per family and step"
+    items = [(0, "0")] + [(n, str(n)) for n in samples]
+    legend_w = sum(22 + 6.2 * len(text) for _, text in items) + 6 + 6.2 * len(note)
+    x0 = label_w if label_w + legend_w <= width else 0.0
+    width = max(width, x0 + legend_w + _HM_PAD_R)
+    x, y = x0, y + 2
+    for n, text in items:
+        fill, _ = _heat_colour(n, peak)
+        out.append(f'<rect class="hm-swatch" x="{_num(x)}" y="{_num(y)}" width="12" height="12" fill="{fill}"/>')
+        out.append(f'<text x="{_num(x + 16)}" y="{_num(y + 10)}" fill="#1f2328">{text}</text>')
+        x += 22 + 6.2 * len(text)
+    out.append(f'<text x="{_num(x + 6)}" y="{_num(y + 10)}" fill="#656d76">{note}</text>')
+    height = y + 16
+    label = (f"differing parameters of {_clean_text(v.name)} by family and step: "
+             + ", ".join(f"{t['kind']} {t['total']}" for t in tables))
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" class="heatmap-svg" width="{_num(width)}" '
+            f'height="{_num(height)}" viewBox="0 0 {_num(width)} {_num(height)}" role="img" '
+            f'aria-label="{_attr(label)}" font-family="{_TL_FONT}" font-size="11">')
+    return "\n".join([head] + out + ["</svg>"])
+
+
+def _heatmap(v: VariantResult) -> Optional[dict]:
+    """Data of a card's "Differing parameters" block: None without counts; ``svg`` None when all are zero."""
+    tables = _family_tables(v)
+    if not tables:
+        return None
+    svg = family_heatmap_svg(v)
+    return {"svg": Markup(svg) if svg else None,
+            "totals": [(t["kind"], t["total"]) for t in tables], "n_steps": max(len(t["steps"]) for t in tables)}
+
+
 def parameter_count(v: VariantResult, report_dir: Optional[pathlib.Path]) -> Optional[int]:
     """Number of parameters (replicas such as ``...@mtp`` not counted) in the run's ``trace.json``.
 
@@ -840,6 +1155,9 @@ def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -
             "options": sorted((v.options or {}).items(), key=lambda kv: str(kv[0])),
             "expectation": _expectation_words(v, result.baseline),
             "structural": _structural(v, ref, parameter_count(v, report_dir)),
+            "heatmap": None if ref == v.name else _heatmap(v),
+            "ulp": _ulp_section(v),
+            "run_to_run": _run_to_run(v),
         })
     template = _environment().get_template(TEMPLATE_NAME)
     return template.render(

@@ -6,6 +6,7 @@ import pathlib
 import re
 import struct
 import xml.etree.ElementTree as ET
+from typing import Optional
 
 import pytest
 
@@ -345,6 +346,10 @@ def test_html_without_loss_data_has_no_svg():
     assert "<svg" not in loss and "No loss data recorded." in loss
     for v in r.variants:
         v.timeline = []
+    # the differing-parameter heatmap is the only SVG left; without mismatch counts there is none
+    assert report.render_html(r).count("<svg") == 1
+    for v in r.variants:
+        v.family_mismatches = {}
     assert "<svg" not in report.render_html(r)
 
 
@@ -802,3 +807,316 @@ def test_parameter_count_from_the_run_traces(tmp_path):
     assert re.search(r'<span class="struct-ok">matches the reference</span> \(130 parameters\)', inv_ok)
     # rendered without the report directory the count is left out
     assert "130 parameters" not in report.render_html(r)
+
+
+# ------------------------------------------------------- ULP evidence, run-to-run control, heatmap
+
+EVIDENCE_KEY = "decoder.layers.0.<mlp>.weight"
+P1_GRAD = {"key": "embedding.word_embeddings.weight", "what": "grad", "dtype": "float32", "numel": 8192,
+           "differing": 289, "fraction": 0.0352783203125, "max_ulp": 40, "median_ulp": 1.0,
+           "histogram": [[1, 228], [2, 31], [4, 10], [8, 12], [16, 4], [64, 4]],
+           "max_abs_err": 2.9802322387695312e-08, "max_rel_err": 3.794539354306005e-06, "nan_mismatch": 0}
+WIDE_PARAM = {"key": EVIDENCE_KEY, "what": "param", "dtype": "bfloat16", "numel": 512, "differing": 9,
+              "fraction": 9 / 512, "max_ulp": 2 ** 30, "median_ulp": 2.5,
+              "histogram": [[1, 3], [2 ** 16, 2], [2 ** 24, 1], [None, 1]],
+              "max_abs_err": 1.5, "max_rel_err": float("inf"), "nan_mismatch": 2}
+NONDET = {"runs": 2, "deterministic": False,
+          "first_divergence": {"step": 1, "kind": "grad", "microbatch": None, "name": "x.<w>",
+                               "detail": "grad fingerprint aa vs bb"},
+          "detail": "repeat 2 differs from run 1: step 1 grad x.<w>"}
+EVIDENCE_ERROR = "rank 0 exited with code 1: <dump> & friends"
+ULP_LABELS = ["≤1", "≤2", "≤4", "≤8", "≤16", "≤64", "≤256", "≤1024", "≤2^16", "≤2^24", ">2^24"]
+
+
+def make_evidence_result() -> CaseResult:
+    """make_result() with ULP evidence on pp4_mtp (two tensors), an evidence error on the errored variant, a
+    deterministic run-to-run control on pp2_vpp2 and a nondeterministic fifth variant."""
+    r = make_result()
+    base, ok, bad, err = r.variants
+    bad.ulp_evidence = [dict(P1_GRAD), dict(WIDE_PARAM)]
+    err.evidence_error = EVIDENCE_ERROR
+    ok.run_to_run = {"runs": 3, "deterministic": True, "first_divergence": None, "detail": "3 runs bitwise equal"}
+    flaky = _variant(name="flaky", verdict="fail", bitwise_equal=False, compare_to="baseline", run_dir="runs/flaky",
+                     reason="run-to-run nondeterminism: " + NONDET["detail"], run_to_run=dict(NONDET),
+                     family_mismatches={"grad": [{}, {}], "param": [{}, {}]})
+    r.variants.append(flaky)
+    return r
+
+
+def _svg_in(html: str, cls: str) -> list[str]:
+    return re.findall(rf'<svg xmlns="http://www.w3.org/2000/svg" class="{cls}".*?</svg>', html, re.S)
+
+
+def _fill_luminance(fill: str) -> float:
+    r, g, b = (int(fill[i:i + 2], 16) for i in (1, 3, 5))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def test_ulp_bucket_labels():
+    assert [report.ulp_bucket_label(b) for b in report.ULP_BUCKETS] == ULP_LABELS
+    assert report.ulp_bucket_label(32) == "≤32" and report.ulp_bucket_label(3000) == "≤3000"
+    assert report.ulp_bucket_label(2.0) == "≤2" and report.ulp_bucket_label(2 ** 12) == "≤2^12"
+
+
+def test_ulp_histogram_svg_bars_labels_and_heights():
+    svg = report.ulp_histogram_svg(P1_GRAD)
+    root = ET.fromstring(svg)
+    assert root.get("class") == "ulp-hist-svg"
+    assert root.get("viewBox") == f"0 0 {root.get('width')} {root.get('height')}"
+    # every standard bucket is labelled, in order, so all histograms share one axis
+    labels = [t.text for t in root.iter(f"{SVG_NS}text") if t.get("class", "").startswith("ulp-bucket")]
+    assert labels == ULP_LABELS
+    bars = [e for e in root.iter(f"{SVG_NS}rect") if e.get("class") == "ulp-bar"]
+    titles = [b.find(f"{SVG_NS}title").text for b in bars]
+    assert titles[0] == "≤1 ULP: 228 elements (78.9 % of the differing ones)"
+    assert [t.split(" ULP")[0] for t in titles] == ["≤1", "≤2", "≤4", "≤8", "≤16", "≤64"]
+    counts = [int(t.text) for t in root.iter(f"{SVG_NS}text") if t.get("class") == "ulp-count"]
+    assert counts == [228, 31, 10, 12, 4, 4]
+    heights = [float(b.get("height")) for b in bars]
+    assert heights[0] == max(heights)
+    assert heights[1] / heights[0] == pytest.approx(31 / 228, abs=0.01)
+    assert heights[2] < heights[3]            # 10 < 12
+    # bars sit on one baseline, left to right in bucket order
+    assert len({round(float(b.get("y")) + float(b.get("height")), 2) for b in bars}) == 1
+    xs = [float(b.get("x")) for b in bars]
+    slot = xs[1] - xs[0]
+    assert slot > float(bars[0].get("width")) and [b - a for a, b in zip(xs, xs[1:])] == [slot] * 5
+    assert report.ulp_histogram_svg(dict(P1_GRAD)) == svg
+    assert "<script" not in svg.lower() and "href" not in svg
+
+
+def test_ulp_histogram_svg_unbounded_bucket_escaping_and_bad_input():
+    svg = report.ulp_histogram_svg(WIDE_PARAM)
+    root = ET.fromstring(svg)
+    assert root.get("aria-label") == f"ULP histogram of param {EVIDENCE_KEY}: 7 differing elements"
+    assert "<mlp>" not in svg
+    bars = [e for e in root.iter(f"{SVG_NS}rect") if e.get("class") == "ulp-bar"]
+    tips = [e.find(f"{SVG_NS}title").text for e in bars]
+    assert [t.split(" ULP")[0] for t in tips] == ["≤1", "≤2^16", "≤2^24", ">2^24"]
+    # empty buckets keep their place on the axis: ≤1 and ≤2^16 are eight slots apart
+    xs = [float(b.get("x")) for b in bars]
+    assert xs[1] - xs[0] == pytest.approx(8 * (xs[2] - xs[1]))
+    # +inf and "inf" are the unbounded bucket too; repeated bounds are summed; junk is skipped
+    messy = {"histogram": [[1, 2], [1, 3], [float("inf"), 1], ["inf", 1], [float("nan"), 9], "junk", [4],
+                           [-1, 5], [2, -3], [8, "x"]]}
+    root = ET.fromstring(report.ulp_histogram_svg(messy))
+    tips = [e.find(f"{SVG_NS}title").text for e in root.iter(f"{SVG_NS}rect") if e.get("class") == "ulp-bar"]
+    assert tips == ["≤1 ULP: 5 elements (71.4 % of the differing ones)",
+                    ">2^24 ULP: 2 elements (28.6 % of the differing ones)"]
+    for bad in (None, "x", {}, {"histogram": []}, {"histogram": [[1, 0]]}, {"histogram": "junk"}):
+        assert report.ulp_histogram_svg(bad) is None
+
+
+def _card(html: str, i: int) -> str:
+    return _cards(html)[i]
+
+
+def _ulp_block(card: str) -> str:
+    assert card.count("<h4>ULP evidence</h4>") == 1
+    return card.split("<h4>ULP evidence</h4>", 1)[1].split("<h4>", 1)[0]
+
+
+def test_html_ulp_evidence_block_in_the_variant_card():
+    html = report.render_html(make_evidence_result())
+    cards = _cards(html)
+    assert len(cards) == 5
+    block = _ulp_block(cards[2])
+    table = re.search(r'<table class="ulp-table">(.*?)</table>', block, re.S).group(1)
+    rows = re.findall(r'<tr class="ulp-row">(.*?)</tr>', table, re.S)
+    assert len(rows) == 2
+    cells = [dict(re.findall(r'<td class="[^"]*?(ulp-\w+)[^"]*">(.*?)</td>', r, re.S)) for r in rows]
+    g, p = cells
+    assert "embedding.<wbr>word_embeddings.<wbr>weight<wbr>" in g["ulp-tensor"]
+    assert (g["ulp-what"], g["ulp-differing"], g["ulp-fraction"], g["ulp-max"], g["ulp-median"]) == \
+        ("grad", "289 / 8,192", "3.53 %", "40", "1")
+    assert (g["ulp-abs"], g["ulp-rel"], g["ulp-nan"]) == ("2.98e-08", "3.79e-06", "0")
+    assert "float32" in rows[0]
+    assert (p["ulp-what"], p["ulp-differing"], p["ulp-max"], p["ulp-median"], p["ulp-rel"], p["ulp-nan"]) == \
+        ("param", "9 / 512", str(2 ** 30), "2.5", "—", "2")
+    assert 'class="num ulp-nan nonzero"' in rows[1] and 'class="num ulp-nan zero"' in rows[0]
+    # the key with markup is escaped in the table and in the histogram
+    assert "&lt;mlp&gt;" in p["ulp-tensor"] and "<mlp>" not in html
+    # one histogram per tensor, inside its row
+    assert [len(_svg_in(r, "ulp-hist-svg")) for r in rows] == [1, 1]
+    assert "step 0 (the first diverging step)" in block and "differ from pp2_vpp2" in block
+    # only pp4_mtp has evidence; the errored variant shows its evidence error, escaped; the others nothing
+    for i in (0, 1, 4):
+        assert "ULP evidence" not in cards[i] and "ulp-hist-svg" not in cards[i]
+    err = _ulp_block(cards[3])
+    assert "ulp-table" not in err
+    assert '<pre class="error evidence-error">rank 0 exited with code 1: &lt;dump&gt; &amp; friends</pre>' in err
+    assert html.count('class="ulp-hist-svg"') == 2
+
+
+def test_html_ulp_evidence_error_next_to_partial_evidence_and_empty_rows():
+    r = make_evidence_result()
+    bad = r.variants[2]
+    bad.evidence_error = "variant re-run timed out"
+    bad.ulp_evidence = [dict(P1_GRAD, histogram=[]), "junk"]
+    block = _ulp_block(_card(report.render_html(r), 2))
+    assert len(re.findall(r'<tr class="ulp-row">', block)) == 1
+    assert "no histogram" in block and "ulp-hist-svg" not in block
+    assert "variant re-run timed out" in block
+    bad.ulp_evidence, bad.evidence_error = [], ""
+    assert "ULP evidence" not in _card(report.render_html(r), 2)
+
+
+def test_run_to_run_words():
+    assert report.run_to_run_words({}) == "" and report.run_to_run_words(None) == ""
+    assert report.run_to_run_words({"runs": 3, "deterministic": True, "first_divergence": None,
+                                    "detail": "whatever"}) == "3 runs bitwise equal"
+    assert report.run_to_run_words(NONDET) == "NONDETERMINISTIC: repeat 2 differs from run 1: step 1 grad x.<w>"
+    assert report.run_to_run_words({"runs": 3, "deterministic": False, "first_divergence": None,
+                                    "detail": "repeat 3 did not complete: boom"}) == \
+        "NONDETERMINISTIC: repeat 3 did not complete: boom"
+
+
+def _r2r_block(card: str) -> Optional[str]:
+    m = re.search(r'<div class="run-to-run (\w+)">(.*?)</div>', card, re.S)
+    return None if m is None else m.groups()
+
+
+def test_html_run_to_run_control_separate_from_the_layout_comparison():
+    html = report.render_html(make_evidence_result())
+    cards = _cards(html)
+    state, block = _r2r_block(cards[1])
+    assert state == "deterministic"
+    assert "<h4>Run-to-run control</h4>" in block
+    assert '<span class="r2r-ok">3 runs bitwise equal</span>' in block
+    assert "NONDETERMINISTIC" not in block and "r2r-bad" not in block
+    state, block = _r2r_block(cards[4])
+    assert state == "nondeterministic"
+    assert '<span class="r2r-bad">NONDETERMINISTIC: repeat 2 differs from run 1: step 1 grad x.&lt;w&gt;</span>' \
+        in block
+    assert "step 1 · grad · x.&lt;w&gt;" in block and "grad fingerprint aa vs bb" in block
+    assert "not a layout effect" in block
+    # red: its own style, not the pass/fail styles of the comparison
+    css = html.split("<style>", 1)[1].split("</style>", 1)[0]
+    assert re.search(r"\.run-to-run\.nondeterministic \{[^}]*var\(--fail\)", css)
+    assert re.search(r"\.r2r-bad \{[^}]*var\(--fail\)", css)
+    # kept apart from the layout comparison: not inside the card's meta list (first divergence vs reference)
+    for card in (cards[1], cards[4]):
+        meta = card.split('<dl class="meta">', 1)[1].split("</dl>", 1)[0]
+        assert "Run-to-run" not in meta and "runs bitwise equal" not in meta and "NONDETERMINISTIC" not in meta
+        assert card.index("<h4>Structural checks</h4>") < card.index("Run-to-run control")
+    # variants that ran once: no block
+    for i in (0, 2, 3):
+        assert _r2r_block(cards[i]) is None and "Run-to-run" not in cards[i]
+    assert html.count("<h4>Run-to-run control</h4>") == 2
+
+
+def _heat_cells(svg: str) -> dict:
+    root = ET.fromstring(svg)
+    out = {}
+    for e in root.iter(f"{SVG_NS}rect"):
+        if e.get("class", "").split()[:1] == ["hm-cell"]:
+            out[e.find(f"{SVG_NS}title").text] = e
+    return out
+
+
+def test_family_heatmap_svg_cells_and_colours(result):
+    v = result.variants[2]       # grad [{emb 2}, {experts 5, router 1}, {mtp 3}]; param [{}, {emb 1}, {experts 4}]
+    svg = report.family_heatmap_svg(v)
+    root = ET.fromstring(svg)
+    assert root.get("class") == "heatmap-svg"
+    assert float(root.get("width")) <= report.HEATMAP_MAX_WIDTH
+    cells = _heat_cells(svg)
+    assert len(cells) == 2 * len(FAMILIES) * 3
+    five = cells["grad · experts · step 1: 5 differing tensors"]
+    one = cells["grad · router · step 1: 1 differing tensor"]
+    zero = cells["grad · experts · step 0: 0 differing tensors"]
+    assert five.get("class") == "hm-cell grad nonzero" and zero.get("class") == "hm-cell grad zero"
+    # zero cells light grey, every other cell a shade of the ramp, darker with the count (darkest at the max)
+    nonzero = {t: e for t, e in cells.items() if e.get("class").endswith(" nonzero")}
+    assert len(nonzero) == 6
+    assert {e.get("fill") for t, e in cells.items() if t not in nonzero} == {report.HEATMAP_ZERO}
+    assert report.HEATMAP_ZERO not in {e.get("fill") for e in nonzero.values()}
+    assert five.get("fill") == "#%02x%02x%02x" % report.HEATMAP_HIGH
+    by_count = sorted(nonzero.values(), key=lambda e: int(e.find(f"{SVG_NS}title").text.split(": ")[1].split()[0]))
+    lum = [_fill_luminance(e.get("fill")) for e in by_count]
+    assert lum == sorted(lum, reverse=True) and lum[0] > lum[-1]
+    assert _fill_luminance(one.get("fill")) < _fill_luminance(report.HEATMAP_ZERO)
+    # same count, same colour in both panels (one scale per variant)
+    assert cells["param · embedding/head · step 1: 1 differing tensor"].get("fill") == one.get("fill")
+    # geometry: steps are columns, families rows, grad panel above param
+    x = [float(cells[f"grad · experts · step {s}: {n} differing tensor{'s' if n != 1 else ''}"].get("x"))
+         for s, n in ((0, 0), (1, 5), (2, 0))]
+    assert x == sorted(x) and len(set(x)) == 3
+    assert float(cells["grad · router · step 1: 1 differing tensor"].get("y")) < float(five.get("y"))
+    assert float(five.get("y")) < float(cells["param · experts · step 2: 4 differing tensors"].get("y"))
+    # the count is written in every nonzero cell (they are wide enough here), never in a zero cell
+    labels = [t.text for t in root.iter(f"{SVG_NS}text") if t.get("class") == "hm-count"]
+    assert sorted(labels) == ["1", "1", "2", "3", "4", "5"]
+    assert report.family_heatmap_svg(v) == svg
+
+
+def test_family_heatmap_svg_none_without_differences_escapes_and_fits():
+    assert report.family_heatmap_svg(_variant(family_mismatches={})) is None
+    assert report.family_heatmap_svg(_variant(family_mismatches={"grad": [{f: 0 for f in FAMILIES}] * 4})) is None
+    weird = _variant(name='a "<q>" & b', family_mismatches={"grad": [{"<odd> & family": 2}], "param": [{}]})
+    svg = report.family_heatmap_svg(weird)
+    root = ET.fromstring(svg)
+    assert "<odd>" not in svg and "<q>" not in svg
+    assert root.get("aria-label") == 'differing parameters of a "<q>" & b by family and step: grad 2, param 0'
+    cells = _heat_cells(svg)
+    assert len(cells) == 2 * (len(FAMILIES) + 1)
+    assert cells["grad · <odd> & family · step 0: 2 differing tensors"].get("class") == "hm-cell grad nonzero"
+    many = _variant(family_mismatches={"grad": [{"experts": s % 7} for s in range(500)]})
+    root = ET.fromstring(report.family_heatmap_svg(many))
+    assert float(root.get("width")) <= report.HEATMAP_MAX_WIDTH
+    assert root.get("viewBox") == f"0 0 {root.get('width')} {root.get('height')}"
+    assert len(_heat_cells(report.family_heatmap_svg(many))) == 500 * len(FAMILIES)
+    steps = [t.text for t in root.iter(f"{SVG_NS}text") if t.get("class") == "hm-step"]
+    assert 5 <= len(steps) < 100 and steps[0] == "0"
+
+
+def test_html_heatmap_in_cards_and_tables_kept(html):
+    cards = _cards(html)
+    base, ok, bad, err = cards
+    assert len(_svg_in(bad, "heatmap-svg")) == 1
+    assert '<h4 id="variant-2-heatmap">Differing parameters by family and step</h4>' in bad
+    assert "grad 11" in bad and "param 5" in bad
+    # all-zero counts: a line instead of a grey map; the baseline (compared with itself) and the errored
+    # variant (no counts): nothing
+    assert "heatmap-svg" not in ok and "no differing parameters in any of the 3 steps" in ok
+    for card in (base, err):
+        assert "Differing parameters" not in card and "heatmap-svg" not in card
+    assert html.count('class="heatmap-svg"') == 1
+    # the mismatch tables are still there, and link to the heatmap
+    sec = html.split('id="mismatches"', 1)[1].split('id="variants"', 1)[0]
+    assert len(re.findall(r'<table class="family-table">', sec)) == 2
+    assert '<a class="small heatmap-link" href="#variant-2-heatmap">heatmap</a>' in sec
+    assert "heatmap-svg" not in sec
+
+
+def test_html_with_evidence_is_self_contained_and_escaped():
+    html = report.render_html(make_evidence_result())
+    lowered = html.lower()
+    for forbidden in ("<script", "<link", "@import", "url(http", "<iframe", "<img", "<mlp>", "<dump>", "<w>"):
+        assert forbidden not in lowered, forbidden
+    for m in re.finditer(r"https?://", html):
+        assert re.search(r'xmlns(:\w+)?="$', html[max(0, m.start() - 20):m.start()])
+    for cls in ("ulp-hist-svg", "heatmap-svg"):
+        for svg in _svg_in(html, cls):
+            ET.fromstring(svg)
+    assert report.render_html(make_evidence_result()) == html
+
+
+def test_summary_json_run_to_run_and_ulp_evidence():
+    s = report.summary_dict(make_evidence_result())
+    base, ok, bad, err, flaky = s["variants"]
+    for v in s["variants"]:
+        assert type(v["run_to_run"]) is dict and type(v["ulp_evidence"]) is list and type(v["evidence_error"]) is str
+    assert base["run_to_run"] == bad["run_to_run"] == err["run_to_run"] == {}
+    assert ok["run_to_run"] == {"runs": 3, "deterministic": True, "first_divergence": None,
+                                "detail": "3 runs bitwise equal"}
+    assert flaky["run_to_run"] == NONDET
+    assert bad["ulp_evidence"][0] == P1_GRAD
+    wide = bad["ulp_evidence"][1]
+    assert wide["histogram"] == [[1, 3], [2 ** 16, 2], [2 ** 24, 1], [None, 1]]
+    assert wide["max_rel_err"] == "inf" and wide["key"] == EVIDENCE_KEY   # strict JSON: inf as a string
+    assert base["ulp_evidence"] == ok["ulp_evidence"] == err["ulp_evidence"] == []
+    assert err["evidence_error"] == EVIDENCE_ERROR and bad["evidence_error"] == ""
+    assert json.loads(json.dumps(s, allow_nan=False)) == s
+    plain = report.summary_dict(make_result())["variants"]
+    assert all(v["run_to_run"] == {} and v["ulp_evidence"] == [] and v["evidence_error"] == "" for v in plain)
