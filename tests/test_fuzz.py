@@ -34,3 +34,13 @@ def test_planted_layout_dependent_fault_is_found_and_shrunk(tmp_path):
 def test_bad_budget(tmp_path):
     proc = run_cli("fuzz", ROOT / "cases" / "smoke.yaml", "--budget", "soon", "--out", tmp_path)
     assert proc.returncode == 2 and "--budget 'soon'" in proc.stderr
+
+
+def test_random_layouts_canonical_with_clipping(tmp_path):
+    """Canonical reductions with clipping triggered: random layouts, P=1 included, stay bitwise equal."""
+    case = tmp_path / "clip.yaml"
+    case.write_text((ROOT / "cases" / "smoke.yaml").read_text().replace(
+        "  num_microbatches: 4\n", "  num_microbatches: 4\n  clip_grad: 0.05\n  reductions: canonical\n"))
+    proc = run_cli("fuzz", case, "--budget", "25s", "--seed", "5", "--out", tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no layout differed from the baseline" in proc.stdout
