@@ -69,6 +69,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class ExpectedDivergence(_Strict):
+    """Where a `diverge` variant must first differ: any field left out (None) matches anything."""
+
     step: Optional[int] = Field(None, ge=0)     # None: any step
     kind: Literal["inventory", "loss", "grad", "grad_norm", "param"]
     name: Optional[str] = None
@@ -84,6 +86,8 @@ class ResumeSpec(_Strict):
 
 
 class VariantSpec(_Strict):
+    """One run of the case: a layout and P, overrides of `training`, and what its comparison must show."""
+
     name: str = Field(min_length=1, max_length=100)
     pipeline_model_parallel_layout: str
     pipeline_model_parallel_size: int = Field(ge=1, le=1024)
@@ -97,6 +101,8 @@ class VariantSpec(_Strict):
 
 
 class CaseSpec(_Strict):
+    """A whole case file (schema in the module docstring)."""
+
     name: Optional[str] = None
     description: str = ""
     timeout_s: float = Field(600.0, gt=0)
@@ -122,6 +128,8 @@ class PlannedRun:
 
 @dataclass
 class CasePlan:
+    """A validated case: its name (the report directory), file, spec and runs (baseline first)."""
+
     name: str
     path: Path
     spec: CaseSpec

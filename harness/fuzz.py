@@ -36,6 +36,9 @@ class _Differs(AssertionError):
 
 @dataclass
 class FuzzResult:
+    """What a fuzz session did: layouts tried, distinct (P, stage grid) pairs, wall and in-run seconds, and the
+    minimal failing layout with the case file written for it (None when nothing differed)."""
+
     tried: int = 0
     grids: set = field(default_factory=set)
     elapsed_s: float = 0.0
@@ -45,6 +48,7 @@ class FuzzResult:
 
     @property
     def per_minute(self) -> float:
+        """Layouts verified per minute of wall time."""
         return 60.0 * self.tried / self.elapsed_s if self.elapsed_s else 0.0
 
 

@@ -107,6 +107,7 @@ def clip_words(clip_grad: Any) -> str:
 
 
 def clipping_on(v: VariantResult) -> bool:
+    """True when the variant trains with grad clipping (clip_grad > 0)."""
     return clip_words(v.clip_grad) != "off"
 
 

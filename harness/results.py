@@ -109,4 +109,5 @@ class CaseResult:
 
     @property
     def all_pass(self) -> bool:
+        """True when every variant's verdict is pass (the CLI's exit code 0)."""
         return all(v.verdict == "pass" for v in self.variants)

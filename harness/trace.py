@@ -22,6 +22,9 @@ class TraceError(Exception):
 
 @dataclass
 class StepTrace:
+    """One training step of a merged run: losses per microbatch, grad norm and clip coefficient, and the
+    fingerprints of every gradient, parameter, buffer and (capture: activations) in-step tensor."""
+
     step: int
     losses: list = field(default_factory=list)       # per microbatch: {microbatch, lm, mtp, num_tokens}
     lm_loss: Optional[dict] = None                   # {hex, value}
@@ -38,6 +41,8 @@ class StepTrace:
 
 @dataclass
 class Trace:
+    """A merged, layout-independent run trace (``bitparity-trace/1``, see TRACE_FORMAT.md)."""
+
     format: str
     params: dict                                     # key -> {name, replica, shape, dtype, family, ...}
     order: list                                      # keys in canonical order
@@ -46,10 +51,12 @@ class Trace:
     world_size: int
 
     def save(self, path: Path) -> None:
+        """Write as JSON (``trace.json``)."""
         path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> "Trace":
+        """Read a ``trace.json`` written by `save`."""
         raw = json.loads(path.read_text())
         raw["steps"] = [StepTrace(**s) for s in raw["steps"]]
         return cls(**raw)

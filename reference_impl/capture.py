@@ -39,8 +39,10 @@ class TraceWriter:
         self._f = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
+        """Append one record as a JSON line and flush it."""
         self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._f.flush()
 
     def close(self) -> None:
+        """Close the file (records are already flushed)."""
         self._f.close()

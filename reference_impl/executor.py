@@ -49,6 +49,7 @@ class StepExecutor:
         self.inject, self.probe = inject, probe
 
     def run(self, actions: list[Action], microbatches: list[Microbatch]) -> list[LossOutput]:
+        """Execute one step's `actions` in order; returns this rank's per-microbatch `LossOutput` s (loss stage)."""
         inputs: dict = {}       # (stage, mb) -> received activation (requires grad)
         stash: dict = {}        # (stage, mb) -> (input, output) kept for backward
         grads_in: dict = {}     # (stage, mb) -> received output gradient

@@ -598,6 +598,7 @@ class PendingFingerprints:
         self._pending: list = []      # (indices, sums tensor, plan, tensors kept alive)
 
     def result(self) -> list[int]:
+        """Wait for the launched kernels and return the fingerprints as ints (input order)."""
         for idxs, sums, plan, _keep in self._pending:
             with np.errstate(over="ignore"):
                 fps = _mix(sums.cpu().numpy().view(np.uint64) ^ plan.hmix)
@@ -607,6 +608,7 @@ class PendingFingerprints:
         return list(self._values)
 
     def hex(self) -> list[str]:
+        """`result` as 16-digit lowercase hex strings."""
         return [f"{v:016x}" for v in self.result()]
 
 

@@ -27,9 +27,11 @@ class Probe:
         return t
 
     def boundary(self, direction: str, sender_stage: int, mb: int, side: str, t: torch.Tensor) -> None:
+        """Record a boundary tensor as sent (sender side) or received (receiver side)."""
         self.boundaries[f"{direction}/{sender_stage}/{mb}/{side}"] = fingerprint_hex(t)
 
     def take(self) -> dict:
+        """Return this step's records ({"activations", "boundaries"}) and start empty for the next step."""
         out = {"activations": self.activations, "boundaries": self.boundaries}
         self.activations, self.boundaries = {}, {}
         return out

@@ -101,6 +101,7 @@ class RankState:
                 if name.endswith("expert_bias")]
 
     def buffers(self) -> dict:
+        """{global name: fingerprint} of the persistent buffers (router expert bias)."""
         bufs = self.named_buffers()
         return dict(zip((n for n, _ in bufs), fingerprint_hex_many([b for _, b in bufs])))
 

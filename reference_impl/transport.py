@@ -47,6 +47,7 @@ class Transport:
 
     @property
     def description(self) -> str:
+        """One line for logs and the manifest: which backend and placement this rank uses."""
         if self.device.type == "cpu":
             return "gloo (cpu)"
         return "gloo via pinned host memory (GPUs shared)" if self.staged else "nccl (one GPU per rank)"
