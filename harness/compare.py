@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .ulp import ulp_distance
 from .results import FAMILIES, FirstDivergence
 from .trace import Trace
 
@@ -29,26 +30,6 @@ class Comparison:
     family_mismatches: dict = field(default_factory=dict)
     inventory: list = field(default_factory=list)
     grad_norm_ulps: list = field(default_factory=list)   # per step: |ulp distance| or None
-
-
-def ulp_distance(a_hex: str, b_hex: str) -> int:
-    """Distance in units in the last place between two IEEE bit patterns of the same width, given as hex
-    ('0x3f800000' fp32, 16 digits fp64, 4 digits bf16/fp16): the number of representable values between
-    them.  Sign-magnitude bits map to a monotone integer line, so the count crosses zero correctly and
-    +0 / -0 are 0 apart.
-
-    Raises:
-        ValueError: the two patterns have different widths.
-    """
-    a, b = a_hex.removeprefix("0x"), b_hex.removeprefix("0x")
-    if len(a) != len(b):
-        raise ValueError(f"cannot compare {a_hex} and {b_hex}: different widths")
-    sign = 1 << (4 * len(a) - 1)
-
-    def ordered(h: str) -> int:
-        v = int(h, 16)
-        return v if v < sign else sign - v
-    return abs(ordered(a) - ordered(b))
 
 
 #: Inventory fields that must agree between two runs (besides presence): a different value trains a

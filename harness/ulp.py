@@ -12,14 +12,31 @@ from __future__ import annotations
 
 import numpy as np
 
+def ordered(bits: int, width: int) -> int:
+    """The monotone integer of one sign-magnitude bit pattern of `width` bits (the module's definition)."""
+    sign = 1 << (width - 1)
+    return bits if bits < sign else sign - bits
+
+
+def ulp_distance(a_hex: str, b_hex: str) -> int:
+    """ULP distance of two bit patterns of the same width given as hex ('0x3f800000' fp32, 16 digits fp64,
+    4 digits bf16/fp16), e.g. for losses and grad norms.
+
+    Raises:
+        ValueError: the two patterns have different widths.
+    """
+    a, b = a_hex.removeprefix("0x"), b_hex.removeprefix("0x")
+    if len(a) != len(b):
+        raise ValueError(f"cannot compare {a_hex} and {b_hex}: different widths")
+    width = 4 * len(a)
+    return abs(ordered(int(a, 16), width) - ordered(int(b, 16), width))
+
+
 def _ordered(bits: np.ndarray, width: int) -> np.ndarray:
-    """Monotone integer line of sign-magnitude bit patterns (int64 for widths <= 32, object ints for 64)."""
+    """`ordered` over an array (vectorised in int64 for widths <= 32, Python ints for 64)."""
     if width == 64:
-        u = bits.astype(np.uint64).astype(object)
-        sign = 1 << 63
-        return np.array([int(v) if v < sign else sign - int(v) for v in u], dtype=object)
-    mask = (1 << width) - 1
-    u = bits.astype(np.int64) & mask
+        return np.array([ordered(int(v), 64) for v in bits.astype(np.uint64)], dtype=object)
+    u = bits.astype(np.int64) & ((1 << width) - 1)
     sign = 1 << (width - 1)
     return np.where(u < sign, u, sign - u)
 

@@ -70,11 +70,15 @@ def _dir_name(name: str, taken: set) -> str:
     return candidate
 
 
-def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optional[Trace], env: dict,
-              command: str) -> dict:
+def _schedule(run: PlannedRun) -> list:
     t = run.config.training
-    lists = build_schedule(run.layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
-                           run.config.model.hidden_size)
+    return build_schedule(run.layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
+                          run.config.model.hidden_size)
+
+
+def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optional[Trace], env: dict,
+              command: str, lists: list) -> dict:
+    t = run.config.training
     step_times = [max(st.time_s.values()) for st in trace.steps] if trace else []
     return {"format": "bitparity-manifest/1", "case": plan.name, "variant": run.spec.name,
             "config": run.config.model_dump(mode="json"),
@@ -196,6 +200,9 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     taken: set = set()
     dirs = {r.spec.name: Path("runs") / _dir_name(r.spec.name, taken) for r in plan.runs}
     plan_configs = {r.spec.name: r.config for r in plan.runs}
+    schedules = {r.spec.name: _schedule(r) for r in plan.runs}
+    reproduce = {r.spec.name: shlex.join(["bitparity", "verify", str(plan.path), "--only", r.spec.name,
+                                          "--out", str(out_root)]) for r in plan.runs}
     # checkpoints: a run that others resume from saves after their step; resuming runs go last
     for r in plan.runs:
         if r.spec.resume:
@@ -217,9 +224,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
                 trace.save(work / dirs[name] / "trace.json")
             except TraceError as e:
                 outcome = RunOutcome(False, f"trace error: {e}", outcome.elapsed_s)
-        reproduce = shlex.join(["bitparity", "verify", str(plan.path), "--only", name, "--out", str(out_root)])
         (work / dirs[name] / "manifest.json").write_text(
-            json.dumps(_manifest(plan, run, outcome, trace, env, reproduce), indent=1))
+            json.dumps(_manifest(plan, run, outcome, trace, env, reproduce[name], schedules[name]), indent=1))
         traces[name], outcomes[name] = trace, outcome
         progress(f"      {'ran' if outcome.ok else 'ERROR'} in {outcome.elapsed_s:.1f} s"
                  + ("" if outcome.ok else f": {outcome.error.splitlines()[0]}"))
@@ -229,8 +235,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     variants = []
     for run in plan.runs:
         t = run.config.training
-        cells, bubble = timeline(build_schedule(run.layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
-                                                run.config.model.hidden_size))
+        cells, bubble = timeline(schedules[run.spec.name])
         name, trace, outcome = run.spec.name, traces[run.spec.name], outcomes[run.spec.name]
         ref_name = run.spec.compare_to or base_name
         ref = traces[ref_name]
@@ -262,7 +267,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=_series(trace, cmp),
             family_mismatches=cmp.family_mismatches if cmp else {}, elapsed_s=outcome.elapsed_s,
             run_dir=str(dirs[name]), compare_to=ref_name,
-            command=shlex.join(["bitparity", "verify", str(plan.path), "--only", name, "--out", str(out_root)]),
+            command=reproduce[name],
             reductions=t.reductions, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
             bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas,
             run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error,

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.compare import ulp_distance
-from harness.ulp import tensor_stats
+from harness.ulp import tensor_stats, ulp_distance
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
