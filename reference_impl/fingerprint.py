@@ -1,18 +1,21 @@
 """The one fingerprint function: a 64-bit, position-sensitive digest of a tensor's raw bits.
 
-Definition (version ``fp64v1``), for a tensor of n elements with element bit patterns x_i (the raw
-little-endian bits of each element zero-extended to 64 bits; bool/uint8 as 8 bits, bf16/fp16 as 16, fp32 as 32,
-fp64/int64 as 64) in row-major (C) order of its logical shape:
+Definition (version ``fp64v2``), for a tensor whose raw little-endian bytes in row-major (C) order of its
+logical shape are b_0 .. b_{N-1} (N = numel * element size; bool/uint8 1 byte per element, bf16/fp16 2, fp32 4,
+fp64/int64 8), zero-padded to a multiple of 8 and read as n = ceil(N / 8) little-endian 64-bit words w_j:
 
-    k_i  = x_i XOR mix(i + 1)                  (mix = splitmix64 finaliser, a bijection on 64 bits)
-    S    = sum_i mix(k_i)   (mod 2^64)
+    k_j  = w_j XOR mix(j + 1)                  (mix = splitmix64 finaliser, a bijection on 64 bits)
+    S    = sum_j mix(k_j)   (mod 2^64)
     fp   = mix(S XOR mix(hash(dtype, shape)))
 
-Properties: flipping any bit of any element changes k_i, hence mix(k_i), hence S (addition mod 2^64 is a
-group), so the fingerprint changes with certainty; swapping two different elements changes it except with
-probability ~2^-64; dtype and shape are bound in; -0.0 and +0.0 (and distinct NaN payloads) differ because
-the raw bits differ.  The sum is order-free, so a GPU reduction may add the terms in any order and still
-match this CPU reference bit for bit.
+Properties: flipping any bit of any element changes one word, hence k_j, hence mix(k_j), hence S (addition
+mod 2^64 is a group), so the fingerprint changes with certainty; moving or swapping different elements changes
+it except with probability ~2^-64; dtype and shape are bound in (so the zero padding is unambiguous); -0.0 and
++0.0 (and distinct NaN payloads) differ because the raw bits differ.  The sum is order-free, so a GPU reduction
+may add the terms in any order and still match this CPU reference bit for bit.  Hashing 8-byte words rather
+than elements makes the cost per byte the same for every dtype: two splitmix64 finalisers per 8 bytes, which
+keeps the GPU kernel (`fingerprint_gpu`) memory-bound for 1- and 2-byte dtypes too (``fp64v1`` hashed each
+element separately and was integer-bound for bf16).
 """
 from __future__ import annotations
 
@@ -51,15 +54,30 @@ def raw_bits(t: torch.Tensor) -> np.ndarray:
     return bits.astype(np.uint64)
 
 
+def raw_words(t: torch.Tensor) -> np.ndarray:
+    """The C-order raw bytes of `t` (any device, any strides), zero-padded to a multiple of 8, as little-endian
+    uint64 words: the w_j of the definition.  Shape [ceil(numel * element_size / 8)]."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    padded = np.zeros(-(-raw.size // 8) * 8, dtype=np.uint8)
+    padded[:raw.size] = raw
+    return padded.view("<u8").astype(np.uint64)
+
+
 def fingerprint(t: torch.Tensor) -> int:
-    """64-bit fingerprint of tensor `t` (definition in the module docstring); returns a Python int.
+    """64-bit fingerprint of tensor `t` (definition ``fp64v2`` in the module docstring); returns a Python int.
 
     Works for any dtype of element size 1, 2, 4 or 8 bytes and any shape (0 elements included).
+    Raises TypeError for other element sizes (complex128 ...).
     """
-    x = raw_bits(t)
+    if t.element_size() not in _BITS_VIEW:
+        raise TypeError(f"fingerprint: unsupported element size {t.element_size()} bytes ({t.dtype})")
+    w = raw_words(t)
     with np.errstate(over="ignore"):
-        idx = np.arange(1, x.size + 1, dtype=np.uint64)
-        s = _mix(x ^ _mix(idx)).sum(dtype=np.uint64) if x.size else np.uint64(0)
+        idx = np.arange(1, w.size + 1, dtype=np.uint64)
+        s = _mix(w ^ _mix(idx)).sum(dtype=np.uint64) if w.size else np.uint64(0)
         out = _mix(np.array([s ^ _mix(np.array([_header(t.dtype, tuple(t.shape))]))[0]], dtype=np.uint64))[0]
     return int(out)
 
@@ -76,15 +94,39 @@ def float_bits_hex(t: torch.Tensor) -> str:
     return f"0x{value:0{2 * size}x}"
 
 
-def fingerprint_hex_many(tensors: list) -> list[str]:
-    """`fingerprint_hex` of each tensor.  CUDA tensors go to the on-device kernel
-    (`reference_impl.fingerprint_gpu.fingerprint_many`, a few launches for the whole list) when Triton is
-    available, so gradients are never copied to the host; everything else is fingerprinted here."""
+class PendingHex:
+    """Fingerprints of a list of tensors, some possibly still being computed on a GPU: `hex()` waits for them
+    and returns 16-hex-digit strings in input order."""
+
+    def __init__(self, values: list, device_pending=None, device_idx: tuple = ()):
+        self._values, self._pending, self._idx = values, device_pending, device_idx
+
+    def hex(self) -> list[str]:
+        if self._pending is not None:
+            for i, v in zip(self._idx, self._pending.result()):
+                self._values[i] = f"{v:016x}"
+            self._pending = None
+        return list(self._values)
+
+
+def fingerprint_hex_many_async(tensors: list) -> PendingHex:
+    """Start `fingerprint_hex` of each tensor.  CUDA tensors go to the on-device kernel
+    (`reference_impl.fingerprint_gpu.fingerprint_many_async`: a few launches for the whole list, on the current
+    stream, so later in-place updates of the tensors on that stream cannot race them) when Triton is available,
+    and nothing waits for them until `PendingHex.hex()`; everything else is fingerprinted here and now."""
     out: list = [None] * len(tensors)
-    cuda = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
+    cuda = tuple(i for i, t in enumerate(tensors) if t.device.type == "cuda")
+    pending = None
     if cuda:
         from . import fingerprint_gpu
         if fingerprint_gpu.available():     # else (no Triton): correct, but copies each tensor to the host
-            for i, v in zip(cuda, fingerprint_gpu.fingerprint_many([tensors[i] for i in cuda])):
-                out[i] = f"{v:016x}"
-    return [o if o is not None else fingerprint_hex(t) for o, t in zip(out, tensors)]
+            pending = fingerprint_gpu.fingerprint_many_async([tensors[i] for i in cuda])
+    for i, t in enumerate(tensors):
+        if pending is None or t.device.type != "cuda":
+            out[i] = fingerprint_hex(t)
+    return PendingHex(out, pending, cuda if pending is not None else ())
+
+
+def fingerprint_hex_many(tensors: list) -> list[str]:
+    """`fingerprint_hex` of each tensor (CUDA tensors on the device, see `fingerprint_hex_many_async`)."""
+    return fingerprint_hex_many_async(tensors).hex()

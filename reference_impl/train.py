@@ -19,7 +19,7 @@ from .capture import FORMAT, TraceWriter, scalar
 from .config import RunConfig
 from .data import TokenDataset
 from .executor import StepExecutor
-from .fingerprint import fingerprint_hex_many
+from .fingerprint import PendingHex, fingerprint_hex_many_async
 from .init import init_parameters
 from .probe import Probe
 from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
@@ -77,13 +77,18 @@ class RankState:
                 "params_dtype": self.cfg.params_dtype, "transport": self.transport.description,
                 "settings": self.transport.settings}
 
-    def fingerprints(self, attr: str) -> dict:
-        """{key: fingerprint} of every parameter's fp32 master value (attr "master") or main_grad.
-        On CUDA all tensors of the step go to the on-device kernel in a few launches."""
+    def fingerprints(self, attr: str) -> "PendingHex | None":
+        """Fingerprints of every parameter's fp32 master value (attr "master") or main_grad, in `self.params`
+        order (`resolve` turns them into {key: fingerprint}); None when capture is "losses".  On CUDA the
+        kernels are queued on the current stream and nothing waits for them here, so capture does not stall
+        the step: the optimizer's and zeroing kernels queue behind them."""
         if self.cfg.capture == "losses":
-            return {}
-        tensors = [getattr(p, attr) for _, _, _, p, _ in self.params]
-        return dict(zip((key for key, *_ in self.params), fingerprint_hex_many(tensors)))
+            return None
+        return fingerprint_hex_many_async([getattr(p, attr) for _, _, _, p, _ in self.params])
+
+    def resolve(self, pending: "PendingHex | None") -> dict:
+        """{key: fingerprint} of `fingerprints`' result (waits for the device)."""
+        return {} if pending is None else dict(zip((key for key, *_ in self.params), pending.hex()))
 
     def dump_tensors(self, attr: str, prefix: str) -> dict:
         """{prefix/key: CPU copy} of the dump keys this rank holds (`RunConfig.dump`), within max_bytes."""
@@ -103,7 +108,7 @@ class RankState:
     def buffers(self) -> dict:
         """{global name: fingerprint} of the persistent buffers (router expert bias)."""
         bufs = self.named_buffers()
-        return dict(zip((n for n, _ in bufs), fingerprint_hex_many([b for _, b in bufs])))
+        return dict(zip((n for n, _ in bufs), fingerprint_hex_many_async([b for _, b in bufs]).hex()))
 
 
 def make_optimizer(state: RankState) -> torch.optim.Optimizer:
@@ -137,7 +142,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
     optimizer = make_optimizer(state)
     writer = TraceWriter(trace_path)
     writer.write(state.header())
-    writer.write({"type": "init", "params": state.fingerprints("master")})
+    writer.write({"type": "init", "params": state.resolve(state.fingerprints("master"))})
     first_step = 0
     if cfg.resume_from is not None:
         first_step = checkpoint.load(state, optimizer, Path(cfg.resume_from)) + 1
@@ -155,8 +160,9 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
         faults.after_grads(cfg.inject, step, state.params, cfg.model.num_layers)
         dumping = cfg.dump is not None and cfg.dump.step == step
         dump = state.dump_tensors("main_grad", "grad") if dumping else {}
-        record = {"type": "step", "step": step, "grads": state.fingerprints("main_grad"),
-                  "grad_norm": None, "clip_coeff": None, "clipped": None}
+        grads = state.fingerprints("main_grad")
+        record = {"type": "step", "step": step, "grads": None, "grad_norm": None, "clip_coeff": None,
+                  "clipped": None}
         if t.clip_grad > 0:
             norm = grad_norm(t.reductions, state.params, transport, cfg.inject)
             coeff, clipped = clip(norm, t.clip_grad, state.params)
@@ -170,10 +176,11 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
                 p.main_grad.zero_()
                 if p.master is not p:
                     p.copy_(p.master)
-        record["params"] = state.fingerprints("master")
+        params = state.fingerprints("master")
         if dumping:
             dump.update(state.dump_tensors("master", "param"))
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
+        record["grads"], record["params"] = state.resolve(grads), state.resolve(params)
         record["buffers"] = state.buffers()
         if outs:
             record["losses"] = [{"microbatch": m, "lm": scalar(o.lm_loss), "num_tokens": int(o.num_tokens.item()),

@@ -71,11 +71,20 @@ def py_bits(t):
     raise AssertionError(t.dtype)
 
 
+def py_words(t):
+    """The C-order byte stream of the element bits (`py_bits`, little-endian), zero-padded to a multiple of 8,
+    as 64-bit little-endian words."""
+    size = {torch.bool: 1, torch.uint8: 1}.get(t.dtype) or t.element_size()
+    stream = b"".join(x.to_bytes(size, "little") for x in py_bits(t))
+    stream += bytes(-len(stream) % 8)
+    return [int.from_bytes(stream[k:k + 8], "little") for k in range(0, len(stream), 8)]
+
+
 def py_fingerprint(t):
-    """The module docstring's definition, written out: k_i = x_i ^ mix(i+1), S = sum mix(k_i), fp = mix(S ^ mix(H))."""
+    """The module docstring's definition, written out: k_j = w_j ^ mix(j+1), S = sum mix(k_j), fp = mix(S ^ mix(H))."""
     s = 0
-    for i, x in enumerate(py_bits(t)):
-        s = (s + py_mix(x ^ py_mix(i + 1))) & MASK64
+    for j, w in enumerate(py_words(t)):
+        s = (s + py_mix(w ^ py_mix(j + 1))) & MASK64
     return py_mix(s ^ py_mix(int(_header(t.dtype, tuple(t.shape)))))
 
 

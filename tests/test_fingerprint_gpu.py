@@ -31,12 +31,11 @@ try:
         tl.store(out, tl.sum(tl.arange(0, 4), axis=0))
 
     @triton.jit
-    def _probe_idx(out, first, N: tl.constexpr, IDX: tl.constexpr, MODE: tl.constexpr, MH: tl.constexpr, P30,
-                   P27, P31):
-        """Store mix(first + offs) as computed by the kernels' index-side code."""
+    def _probe_term(out, words, first, N: tl.constexpr):
+        """Store the kernels' term mix(w ^ mix(j + 1)) for words w at indices j = first + offs."""
         offs = tl.arange(0, N)
-        h, l = fg._idx_mix(first, offs, IDX, False, MODE, MH, P30, P27, P31)
-        tl.store(out + offs, fg._merge(h, l).to(tl.int64, bitcast=True))
+        w = tl.load(words + offs).to(tl.uint64, bitcast=True)
+        tl.store(out + offs, fg._term(w, first + offs.to(tl.int64)).to(tl.int64, bitcast=True))
 
     if not HAS_CUDA:   # the interpreter only works if triton itself was first imported with TRITON_INTERPRET=1
         try:
@@ -56,11 +55,12 @@ from reference_impl.fingerprint import _mix, fingerprint, fingerprint_hex  # noq
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool]
-# sizes around the block boundaries (BLOCK = 16384 indices for 1/2/4-byte, 8192 for 8-byte elements);
-# 1_000_003 only on a GPU: the interpreter is slow
-SIZES = [0, 1, 2, 3, 4095, 4096, 4097, 16_384, 16_385, 40_001] + ([1_000_003] if HAS_CUDA else [])
-# the interpreter pays per program and per vector op: few, wide programs keep the many-tensor tests fast
-SMALL = {} if HAS_CUDA else {"num_warps": 32, "nsub": 1}
+# sizes around word, sub-block and block boundaries (with SMALL: SUBW = 256 words, BLOCKW = 512 words, i.e.
+# 2048 / 1024 / 512 / 256 elements of 1 / 2 / 4 / 8 bytes per sub-block); 1_000_003 only on a GPU
+SIZES = [0, 1, 2, 3, 5, 7, 255, 256, 257, 1023, 1024, 1025, 4095, 4096, 4097, 16_385, 40_001] + (
+    [1_000_003] if HAS_CUDA else [])
+# the interpreter pays per program and per vector op; small blocks put many boundaries in small tensors
+SMALL = {"num_warps": 2, "wpt": 4, "nsub": 2}
 MASK64 = (1 << 64) - 1
 
 
@@ -105,16 +105,30 @@ def test_matches_cpu_definition(dtype, size):
     assert got == ref(t)
 
 
-# every (variant, dtype, index width) is a separate compilation on a GPU (~1-3 s each): fewer there
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64] if HAS_CUDA else
-                         [torch.float32, torch.bfloat16, torch.float64, torch.uint8], ids=str)
-@pytest.mark.parametrize("variant", sorted(fg.VARIANTS))
-def test_every_variant_and_index_width_agrees(variant, dtype):
-    """All code variants (u64 / u32 / IMAD.HI shifts) and the 32-bit and 64-bit index paths give the same bits."""
-    ts = [sample(dtype, (n,), seed=n) for n in (1, 4097, 5000, 5000)] + [sample(dtype, (37, 29), seed=3).t()]
-    want = [ref(t) for t in ts]
-    for min_idx in (30, 64) if HAS_CUDA else (30, 32, 64):
-        assert fg.fingerprint_many(ts, variant=variant, min_idx=min_idx, **SMALL) == want, min_idx
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pack", fg.PACKS)
+def test_every_alignment_class_and_pack_agrees(pack, dtype):
+    """Every alignment class (offset views of one buffer: 16-byte aligned, 8-byte aligned, and each
+    misalignment the element size allows, funnel-shifted), partial last words, and both packings of the
+    strided kernel's element loads give the reference bits."""
+    buf = sample(dtype, (3000,), seed=21)
+    esize = buf.element_size()
+    views = [buf[k:k + n] for k in range(0, 16 // esize + 1) for n in (1, 3, 7, 300, 1025)]
+    views += [buf.reshape(-1, 2)[1:, 1], buf[1:2996].reshape(-1, 5)[3:, 1:4]]             # strided
+    classes = {fg._alignment(fg._meta(v)) for v in views}
+    assert classes == {(True, 0), (False, 0)} | {(False, r) for r in range(esize, 8, esize)}
+    want = [ref(v) for v in views]
+    assert fg.fingerprint_many(views, pack=pack, **SMALL) == want
+    assert [fg.fingerprint_device(v, pack=pack, **SMALL) for v in views[::4]] == want[::4]
+
+
+def test_partial_word_ignores_the_bytes_after_the_tensor():
+    """The last word of a tensor whose byte size is not a multiple of 8 is read whole: the bytes after the
+    tensor (here: other data of the same buffer) must not reach the fingerprint."""
+    buf = sample(torch.bfloat16, (64,), seed=2)
+    a, b = buf[:5], buf.clone()
+    b[5:] = -buf[5:]                        # same first 5 elements, different bytes after them
+    assert fg.fingerprint_device(a) == fg.fingerprint_device(b[:5]) == ref(a)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool], ids=str)
@@ -132,8 +146,8 @@ def test_non_contiguous_views(dtype):
 
 
 def _mixed_list():
-    """Gradients-like list: repeated shapes (shared index mix), all dtypes, empties, scalars, unaligned and
-    strided views, the same tensor twice."""
+    """Gradients-like list: repeated shapes, all dtypes, empties, scalars, unaligned and strided views, the
+    same tensor twice."""
     ts = []
     for k, dtype in enumerate(DTYPES):
         for n in (0, 1, 5, 1000, 1000, 1000, 1000, 1000, 5000, 5000):
@@ -144,12 +158,12 @@ def _mixed_list():
     return ts
 
 
-@pytest.mark.parametrize("share", [1, 2, 4])
-def test_many_equals_per_tensor(share):
+@pytest.mark.parametrize("pack", fg.PACKS)
+def test_many_equals_per_tensor(pack):
     ts = _mixed_list()
     want = [ref(t) for t in ts]
-    assert fg.fingerprint_many(ts, share=share, **SMALL) == want
-    assert fg.fingerprint_hex_many_device(ts, share=share, **SMALL) == [f"{v:016x}" for v in want]  # cached plan
+    assert fg.fingerprint_many(ts, pack=pack, **SMALL) == want
+    assert fg.fingerprint_hex_many_device(ts, pack=pack, **SMALL) == [f"{v:016x}" for v in want]  # cached plan
     assert [fg.fingerprint_device(t, **SMALL) for t in ts[::13]] == want[::13]
     assert fg.fingerprint_many([]) == []
 
@@ -179,24 +193,23 @@ def test_bad_options_are_rejected():
     t = sample(torch.float32, (4,))
     with pytest.raises(TypeError, match="unknown option"):
         fg.fingerprint_device(t, blok=3)
-    with pytest.raises(ValueError, match="variant"):
-        fg.fingerprint_device(t, variant="fast")
-    with pytest.raises(ValueError, match="share"):
-        fg.fingerprint_device(t, share=3)
+    with pytest.raises(ValueError, match="pack"):
+        fg.fingerprint_device(t, pack="fast")
+    with pytest.raises(ValueError, match="wpt"):
+        fg.fingerprint_device(t, wpt=3)
 
 
-@pytest.mark.parametrize("variant", sorted(fg.VARIANTS))
-def test_index_mix_at_large_indices(variant):
-    """mix(i + 1) for indices near 2^30, 2^32, 2^40 and 2^64 (tensors that large do not fit a test)."""
-    mode, mh = fg.VARIANTS[variant]
-    cases = [(30, 1), (30, (1 << 30) - 64), (32, (1 << 30) - 5), (32, (1 << 32) - 64), (64, (1 << 32) - 5),
-             (64, (1 << 40) + 3), (64, (1 << 63) - 7), (64, (1 << 64) - 40)]
-    for idx, first in cases:
+def test_term_at_large_word_indices():
+    """mix(w ^ mix(j + 1)) for word indices near 2^31, 2^32, 2^40 and 2^64 (tensors that large do not fit a
+    test): the kernels' 64-bit index arithmetic."""
+    words = sample(torch.int64, (64,), seed=7)
+    wnp = words.cpu().numpy().view(np.uint64)
+    for first in (0, (1 << 31) - 5, (1 << 32) - 64, (1 << 40) + 3, (1 << 63) - 7, (1 << 64) - 40):
         out = torch.empty(64, dtype=torch.int64, device=DEVICE)
-        arg = first - (1 << 64) if first >= (1 << 63) else first
-        _probe_idx[(1,)](out, arg, N=64, IDX=idx, MODE=mode, MH=mh, P30=4, P27=32, P31=2)
-        want = _mix((np.arange(64, dtype=np.uint64) + np.uint64(first)))
-        assert np.array_equal(out.cpu().numpy().view(np.uint64), want), (idx, hex(first))
+        _probe_term[(1,)](out, words, first - (1 << 64) if first >= (1 << 63) else first, N=64)
+        with np.errstate(over="ignore"):
+            want = _mix(wnp ^ _mix(np.arange(64, dtype=np.uint64) + np.uint64(first) + np.uint64(1)))
+        assert np.array_equal(out.cpu().numpy().view(np.uint64), want), hex(first)
 
 
 def test_module_imports_and_falls_back_without_triton():
