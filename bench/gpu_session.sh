@@ -16,4 +16,4 @@ if [ "${1:-}" = dsv3 ]; then
 fi
 echo "== fingerprint kernel tests"; timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fingerprint_gpu.py 2>&1 | tail -3
 echo "== fingerprint benchmark"; timeout 200 python3 bench/bench_fingerprint_gpu.py --quick --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -40
-echo "== capture overhead"; timeout 400 python3 bench/bench_gpu_capture.py --steps 6 --repeats 2 --out "$OUT/gpu_capture.json" 2>&1 | tail -4
+echo "== capture overhead"; timeout 450 python3 bench/bench_gpu_capture.py --steps 6 --repeats 2 --out "$OUT/gpu_capture.json" 2>&1 | tail -4

@@ -1,6 +1,6 @@
 """Merge the per-rank JSONL traces of one run into one canonical, layout-independent trace.
 
-Input: ``rank{r}.jsonl`` in format ``bitparity-rank-trace/1`` (documented in `reference_impl.capture`).
+Input: ``rank{r}.jsonl`` in format ``bitparity-rank-trace/2`` (documented in `reference_impl.capture`).
 Output (`Trace`, saved as ``trace.json``): parameters keyed by global name (``name@replica`` for replicas),
 ordered canonically (embedding, decoder layers by global id, final norm, MTP depths, head; within a layer in
 module order), with per-step losses, grad norm, and grad / param / buffer fingerprints.
@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-RANK_FORMAT = "bitparity-rank-trace/1"
-FORMAT = "bitparity-trace/1"
+RANK_FORMAT = "bitparity-rank-trace/2"
+FORMAT = "bitparity-trace/2"
 
 
 class TraceError(Exception):
@@ -41,7 +41,7 @@ class StepTrace:
 
 @dataclass
 class Trace:
-    """A merged, layout-independent run trace (``bitparity-trace/1``, see TRACE_FORMAT.md)."""
+    """A merged, layout-independent run trace (``bitparity-trace/2``, see TRACE_FORMAT.md)."""
 
     format: str
     params: dict                                     # key -> {name, replica, shape, dtype, family, ...}

@@ -1,6 +1,6 @@
 """Per-rank trace writer (append-only JSONL, flushed every record).
 
-Trace format ``bitparity-rank-trace/1`` (the contract between trainer and harness; see TRACE_FORMAT.md):
+Trace format ``bitparity-rank-trace/2`` (the contract between trainer and harness; see TRACE_FORMAT.md):
 one JSON object per line, each with ``"type"``:
 
 * ``header``: rank, world size, the flat stages this rank holds, and ``params``: a list of
@@ -24,7 +24,7 @@ import torch
 
 from .fingerprint import float_bits_hex
 
-FORMAT = "bitparity-rank-trace/1"
+FORMAT = "bitparity-rank-trace/2"
 
 
 def scalar(t: torch.Tensor) -> dict:

@@ -133,13 +133,13 @@ if HAVE_TRITON:
             lo = tl.load(wp + jj, mask=m_lo, other=0)
         else:
             lo = tl.load(wp + jj)
-        if MIS == 0:
-            return lo
-        if MASKED:
-            hi = tl.load(wp + jj + 1, mask=m_hi, other=0)
-        else:
-            hi = tl.load(wp + jj + 1)
-        return (lo >> (8 * MIS)) | (hi << (64 - 8 * MIS))
+        if MIS != 0:        # (an if/else, not an early return: the MIS == 0 code must not see a 64-bit shift)
+            if MASKED:
+                hi = tl.load(wp + jj + 1, mask=m_hi, other=0)
+            else:
+                hi = tl.load(wp + jj + 1)
+            lo = (lo >> (8 * MIS)) | (hi << (64 - 8 * MIS))
+        return lo
 
     @triton.jit
     def _words_block(base, off, numel, w0, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,

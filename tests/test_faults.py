@@ -185,7 +185,7 @@ def _meta(name, order, replica=None, shape=(4, 4), dtype="float32", wd=True):
 def _mk(params, steps=(), init=None):
     params = {m["key"]: m for m in params}
     order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
-    return Trace(format="bitparity-trace/1", params=params, order=order,
+    return Trace(format="bitparity-trace/2", params=params, order=order,
                  init=init if init is not None else {k: "0" * 16 for k in params},
                  steps=[StepTrace(step=i, grads=g, params=p) for i, (g, p) in enumerate(steps)], world_size=1)
 
