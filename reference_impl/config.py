@@ -151,6 +151,15 @@ class ParallelConfig(_Strict):
 
     pipeline_model_parallel_layout: str
     pipeline_model_parallel_size: int = Field(ge=1, le=1024)
+    # EP: routed experts split over this many ranks per pipeline rank (world = P x EP); tokens go to their
+    # experts with all-to-all.  Unlike Megatron, the EP ranks of a pipeline rank see the same microbatches
+    # (no data parallelism), so EP=1 and EP>1 must agree bit for bit.
+    expert_model_parallel_size: int = Field(1, ge=1, le=64)
+    # Megatron's 1F1B overlap: forward of one microbatch and backward of another run merged, node by node
+    # (model/plan.py); delay_wgrad_compute: weight gradients of attention / experts / eh_proj run after the
+    # input gradients of their node (model/linear.py)
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
 
 
 class DumpConfig(_Strict):
