@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .common import RMSNorm, apply_rope
+from .linear import Linear
 
 
 class MLASelfAttention(nn.Module):
@@ -23,13 +24,13 @@ class MLASelfAttention(nn.Module):
         n, dq, r, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         self.n, self.dq, self.r, self.dv, self.kv_lora = n, dq, r, dv, cfg.kv_lora_rank
         h = cfg.hidden_size
-        self.linear_q_down_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+        self.linear_q_down_proj = Linear(h, cfg.q_lora_rank)
         self.q_layernorm = RMSNorm(cfg.q_lora_rank, cfg.layernorm_epsilon)
-        self.linear_q_up_proj = nn.Linear(cfg.q_lora_rank, n * (dq + r), bias=False)
-        self.linear_kv_down_proj = nn.Linear(h, cfg.kv_lora_rank + r, bias=False)
+        self.linear_q_up_proj = Linear(cfg.q_lora_rank, n * (dq + r))
+        self.linear_kv_down_proj = Linear(h, cfg.kv_lora_rank + r)
         self.kv_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.layernorm_epsilon)
-        self.linear_kv_up_proj = nn.Linear(cfg.kv_lora_rank, n * (dq + dv), bias=False)
-        self.linear_proj = nn.Linear(n * dv, h, bias=False)
+        self.linear_kv_up_proj = Linear(cfg.kv_lora_rank, n * (dq + dv))
+        self.linear_proj = Linear(n * dv, h)
         self.scale = 1.0 / math.sqrt(dq + r)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

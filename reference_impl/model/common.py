@@ -1,9 +1,12 @@
-"""Small building blocks: RMSNorm, RoPE, SwiGLU MLP, the identity loss-injection node and `roll_left`."""
+"""Small building blocks: RMSNorm, RoPE, SwiGLU MLP, the identity loss-injection node, `Fanout` and
+`roll_left`."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from .linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -49,8 +52,8 @@ class SwiGLUMLP(nn.Module):
 
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
-        self.linear_fc1 = nn.Linear(hidden, 2 * ffn, bias=False)
-        self.linear_fc2 = nn.Linear(ffn, hidden, bias=False)
+        self.linear_fc1 = Linear(hidden, 2 * ffn)
+        self.linear_fc2 = Linear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)
@@ -74,6 +77,37 @@ class LossAutoScaler(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (loss,) = ctx.saved_tensors
         return grad_output, torch.full_like(loss, ctx.scale), None
+
+
+class Fanout(torch.autograd.Function):
+    """n aliases of x for n consumers, whose gradients are summed in index order: ``((g0 + g1) + g2) ...``.
+
+    Floating-point addition is commutative but not associative: a tensor with three or more gradient
+    contributions gets bits that depend on the order in which the autograd engine happens to deliver them,
+    and that order differs between one whole-chunk backward and a node-by-node one (the 1F1B overlap
+    schedule, `model/plan.py`).  Routing every such tensor through a Fanout fixes the order on both paths.
+    Consumers that produce no gradient are skipped (no zeros are added, so -0.0 stays -0.0).
+
+    forward(x [any], n: int) -> tuple of n views of x.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, n: int):
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for g in grads:
+            if g is not None:
+                total = g if total is None else total + g
+        return total, None
+
+
+def fanout(x: torch.Tensor, n: int) -> tuple:
+    """`Fanout.apply` when x needs a gradient, else n times x."""
+    return Fanout.apply(x, n) if x.requires_grad else (x,) * n
 
 
 def roll_left(t: torch.Tensor) -> torch.Tensor:

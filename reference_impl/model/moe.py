@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .common import LossAutoScaler, SwiGLUMLP
+from .common import LossAutoScaler, SwiGLUMLP, fanout
 
 
 def _topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +33,14 @@ class Router(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_moe_experts, dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [t, h] -> (scores [t, E] with grad, topk index [t, K] int64, probs [t, K] with grad)."""
+        """x [t, h] -> (scores [t, E] fp32 with grad, top-k expert index [t, K] int64, probs [t, K] fp32)."""
+        scores, index = self.route(x)
+        return scores, index, self.probs(scores, index)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [t, h] -> (scores [t, E] fp32 with grad, top-k expert index [t, K] int64); counts the tokens per
+        expert for the bias update.  The routing weights come from `probs`, a separate step so the scores
+        can be fanned out to it and to the aux loss."""
         cfg = self.cfg
         scores = torch.sigmoid(torch.matmul(x.float(), self.weight.float().t()))
         select = scores.detach() + self.expert_bias if cfg.moe_router_enable_expert_bias else scores.detach()
@@ -45,13 +52,17 @@ class Router(nn.Module):
         keep[torch.arange(t, device=x.device).unsqueeze(1), groups] = True
         masked = select.masked_fill(~keep.repeat_interleave(e // g, dim=1), float("-inf"))
         _, index = _topk_stable(masked, cfg.moe_router_topk)
-        probs = scores.gather(1, index)
-        if cfg.moe_router_topk > 1:
-            probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
-        probs = probs * cfg.moe_router_topk_scaling_factor
         with torch.no_grad():
             self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=e)
-        return scores, index, probs
+        return scores, index
+
+    def probs(self, scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Top-k routing weights [t, K] fp32: the selected scores, normalised over the K (if K > 1) and
+        scaled by ``moe_router_topk_scaling_factor``."""
+        probs = scores.gather(1, index)
+        if self.cfg.moe_router_topk > 1:
+            probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+        return probs * self.cfg.moe_router_topk_scaling_factor
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
@@ -81,8 +92,12 @@ def seq_aux_loss(scores: torch.Tensor, index: torch.Tensor, s: int, b: int, cfg:
 class MoELayer(nn.Module):
     """Routed experts (global ids 0..E-1) + one shared expert.  x [s, b, h] -> [s, b, h].
 
-    ``aux_loss_scale`` is the backward seed of the seq aux loss (1/num_microbatches, Megatron's
-    MoEAuxLossAutoScaler scale); it is set by the executor before each step.
+    The forward is four steps, the nodes of Megatron's 1F1B overlap schedule
+    (``models/gpt/fine_grained_callables.py``): `pre_dispatch` (router, aux loss, shared expert, permute),
+    `dispatch` (the expert-parallel all-to-all; nothing with EP=1), `experts_compute` (each expert on its
+    tokens) and `combine` (un-permute, top-k weighted sum, + shared).  They pass tensors in a state dict
+    (keys ``moe.*``); `forward` runs them back to back.  ``aux_loss_scale`` is the backward seed of the seq
+    aux loss (1/num_microbatches, Megatron's MoEAuxLossAutoScaler scale), set before each step.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -94,27 +109,56 @@ class MoELayer(nn.Module):
         self.shared_experts = SwiGLUMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size)
         self.aux_loss_scale = 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def pre_dispatch(self, st: dict, x: torch.Tensor) -> None:
+        """x [s, b, h] (the pre-MLP-normed hidden) -> st: ``moe.permuted`` [t·K, h] (the (token, k) rows
+        sorted by expert id, stable: each expert sees its tokens in ascending token order, independent of
+        where experts live), ``moe.probs`` [t, K] fp32 (carrying the aux loss, as Megatron attaches it in the
+        router), ``moe.shared`` [t, h], ``moe.meta`` (shape, sort order, per-expert counts)."""
         s, b, h = x.shape
         t, k = s * b, self.cfg.moe_router_topk
-        tokens = x.reshape(t, h)
-        scores, index, probs = self.router(tokens)
-        # Permute: stable sort of the (token, k) pairs by expert id, so each expert sees its tokens in
-        # ascending token order, independent of how experts are placed.
+        to_router, to_shared, to_permute = fanout(x.reshape(t, h), 3)
+        scores, index = self.router.route(to_router)
+        if self.cfg.moe_aux_loss_coeff > 0:
+            to_probs, to_aux = fanout(scores, 2)
+            probs = self.router.probs(to_probs, index)
+            probs = LossAutoScaler.apply(probs, seq_aux_loss(to_aux, index, s, b, self.cfg), self.aux_loss_scale)
+        else:
+            probs = self.router.probs(scores, index)
         flat_expert = index.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         counts = torch.bincount(flat_expert, minlength=self.cfg.num_moe_experts).tolist()
-        permuted = tokens.unsqueeze(1).expand(t, k, h).reshape(t * k, h).index_select(0, order)
-        outputs = [self.experts[str(e)](chunk) for e, chunk in enumerate(permuted.split(counts))]
-        # Unpermute with the inverse permutation (unique indices: an exact gather, exact backward).
+        st["moe.shared"] = self.shared_experts(to_shared)
+        st["moe.permuted"] = to_permute.unsqueeze(1).expand(t, k, h).reshape(t * k, h).index_select(0, order)
+        st["moe.probs"] = probs
+        st["moe.meta"] = (s, b, order, counts)
+
+    def dispatch(self, st: dict) -> None:
+        """Expert-parallel token all-to-all (EP = 1: nothing to send)."""
+
+    def experts_compute(self, st: dict) -> None:
+        """``moe.permuted`` [t·K, h] -> ``moe.expert_out`` [t·K, h]: expert e on its contiguous rows."""
+        counts = st["moe.meta"][3]
+        permuted = st.pop("moe.permuted")
+        st["moe.expert_out"] = torch.cat([self.experts[str(e)](chunk)
+                                          for e, chunk in enumerate(permuted.split(counts))])
+
+    def combine(self, st: dict) -> torch.Tensor:
+        """Un-permute ``moe.expert_out`` (the inverse permutation: an exact gather with an exact backward),
+        weight by the top-k probs in a fixed order, add the shared expert; returns [s, b, h]."""
+        s, b, order, _ = st.pop("moe.meta")
+        k, h = self.cfg.moe_router_topk, self.cfg.hidden_size
         inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(t * k, device=x.device)
-        routed = torch.cat(outputs).index_select(0, inverse).view(t, k, h)
-        probs = probs.to(routed.dtype)             # Megatron casts the fp32 router probs to the activation dtype
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        routed = st.pop("moe.expert_out").index_select(0, inverse).view(s * b, k, h)
+        probs = st.pop("moe.probs").to(routed.dtype)    # Megatron casts the fp32 router probs to the activation dtype
         combined = routed[:, 0] * probs[:, 0:1]
         for j in range(1, k):                      # fixed-order sum over the top-k
             combined = combined + routed[:, j] * probs[:, j:j + 1]
-        out = (combined + self.shared_experts(tokens)).view(s, b, h)
-        if self.cfg.moe_aux_loss_coeff > 0:
-            out = LossAutoScaler.apply(out, seq_aux_loss(scores, index, s, b, self.cfg), self.aux_loss_scale)
-        return out
+        return (combined + st.pop("moe.shared")).view(s, b, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        st: dict = {}
+        self.pre_dispatch(st, x)
+        self.dispatch(st)
+        self.experts_compute(st)
+        return self.combine(st)

@@ -7,6 +7,7 @@ from torch import nn
 from ..config import ModelConfig
 from .common import RMSNorm, roll_left
 from .layer import TransformerLayer
+from .linear import Linear
 
 
 class MTPLayer(nn.Module):
@@ -23,7 +24,7 @@ class MTPLayer(nn.Module):
         eps = cfg.layernorm_epsilon
         self.enorm = RMSNorm(cfg.hidden_size, eps)
         self.hnorm = RMSNorm(cfg.hidden_size, eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
         self.transformer_layer = TransformerLayer(cfg, moe=moe)
         self.final_layernorm = RMSNorm(cfg.hidden_size, eps)
 
