@@ -1,5 +1,8 @@
 """Runs one rank's action list for one step: forward/backward of its chunks and the p2p transfers.
 
+Each (chunk, microbatch) is a `model.plan.ChunkPlan`: one autograd graph under the plain schedules, node by
+node under the 1F1B overlap (``FB`` actions merge a forward and a backward with `model.plan.run_combined`).
+
 A send immediately followed by a receive is posted with it in one ``batch_isend_irecv`` (Megatron's combined
 ``send_forward_recv_backward``); any other send is posted alone before the next compute.  NCCL needs this
 pairing: it matches p2p ops per peer in posting order (tags are ignored), and a group holding two sends
@@ -17,6 +20,7 @@ import torch
 from . import faults
 from .model.chunk import Microbatch, StageChunk
 from .model.losses import LossOutput
+from .model.plan import ChunkPlan, run_combined
 from .schedule import Action
 
 
@@ -44,21 +48,41 @@ class StepExecutor:
     """
 
     def __init__(self, chunks: dict[int, StageChunk], num_microbatches: int, transport, dtype: torch.dtype,
-                 inject: Optional[str] = None, probe=None):
+                 inject: Optional[str] = None, probe=None, overlap: bool = False, delay_wgrad: bool = False):
         self.chunks, self.m, self.transport, self.dtype = chunks, num_microbatches, transport, dtype
-        self.inject, self.probe = inject, probe
+        self.inject, self.probe, self.overlap, self.delay_wgrad = inject, probe, overlap, delay_wgrad
 
     def run(self, actions: list[Action], microbatches: list[Microbatch]) -> list[LossOutput]:
         """Execute one step's `actions` in order; returns this rank's per-microbatch `LossOutput` s (loss stage)."""
         inputs: dict = {}       # (stage, mb) -> received activation (requires grad)
-        stash: dict = {}        # (stage, mb) -> (input, output) kept for backward
+        plans: dict = {}        # (stage, mb) -> ChunkPlan kept for backward
         grads_in: dict = {}     # (stage, mb) -> received output gradient
+        grads_out: dict = {}    # (stage, mb) -> gradient of the received activation, to send back
         pending: list = []      # queued sends (tensor, peer, tag)
         works: list = []
         losses: dict[int, LossOutput] = {}
+
+        def begin_forward(stage: int, microbatch: int) -> ChunkPlan:
+            x = inputs.pop((stage, microbatch), None)
+            chunk = self.chunks[stage]
+            mb = faults.loss_input_microbatch(self.inject, microbatch, chunk.has_loss and x is not None)
+            plan = ChunkPlan(chunk, x, microbatches[mb], self.dtype, self.overlap, self.delay_wgrad)
+            plans[(stage, microbatch)] = plan
+            return plan
+
+        def end_forward(stage: int, microbatch: int) -> None:
+            out = plans[(stage, microbatch)].output
+            if isinstance(out, LossOutput):
+                losses[microbatch] = out
+
+        def end_backward(stage: int, microbatch: int, plan: ChunkPlan) -> None:
+            accumulate_main_grads(self.chunks[stage], self.m, self.inject)
+            if plan.x is not None:
+                grads_out[(stage, microbatch)] = plan.input_grad
+
         for a in actions:
             key = (a.stage, a.microbatch)
-            if a.op in ("F", "B") and pending:          # sends not followed by a receive go alone
+            if a.op in ("F", "B", "FB") and pending:    # sends not followed by a receive go alone
                 works += self.transport.batch(pending, None)[1]
                 pending = []
             if a.op == "RECV_F" or a.op == "RECV_B":
@@ -74,29 +98,29 @@ class StepExecutor:
                 else:
                     grads_in[key] = buf
             elif a.op == "F":
-                x = inputs.pop(key, None)
-                chunk = self.chunks[a.stage]
-                mb = faults.loss_input_microbatch(self.inject, a.microbatch, chunk.has_loss and x is not None)
-                out = chunk(x, microbatches[mb])
-                stash[key] = (x, out)
-                if isinstance(out, LossOutput):
-                    losses[a.microbatch] = out
+                plan = begin_forward(a.stage, a.microbatch)
+                if self.overlap:
+                    run_combined(plan, None, None)
+                else:
+                    plan.forward()
+                end_forward(a.stage, a.microbatch)
+            elif a.op == "B":
+                plan = plans.pop(key)
+                plan.backward(grads_in.pop(key, None))
+                end_backward(a.stage, a.microbatch, plan)
+            elif a.op == "FB":
+                bkey = (a.b_stage, a.b_microbatch)
+                f_plan, b_plan = begin_forward(a.stage, a.microbatch), plans.pop(bkey)
+                run_combined(f_plan, b_plan, grads_in.pop(bkey, None))
+                end_forward(a.stage, a.microbatch)
+                end_backward(a.b_stage, a.b_microbatch, b_plan)
             elif a.op == "SEND_F":
-                out = stash[key][1].detach()
+                out = plans[key].output.detach()
                 if self.probe is not None:
                     self.probe.boundary("F", a.stage, a.microbatch, "send", out)
                 pending.append((out, a.peer, _tag("F", a.stage, a.microbatch, self.m)))
-            elif a.op == "B":
-                x, out = stash.pop(key)
-                if isinstance(out, LossOutput):
-                    torch.autograd.backward(out.objective)
-                else:
-                    torch.autograd.backward(out, grads_in.pop(key))
-                accumulate_main_grads(self.chunks[a.stage], self.m, self.inject)
-                if x is not None:
-                    stash[("grad",) + key] = x.grad
             elif a.op == "SEND_B":
-                g = stash.pop(("grad",) + key)
+                g = grads_out.pop(key)
                 if self.probe is not None:
                     self.probe.boundary("B", a.stage, a.microbatch, "send", g)
                 pending.append((g, a.peer, _tag("B", a.stage, a.microbatch, self.m)))

@@ -36,6 +36,10 @@ Numerics (the harness must report ``fail`` at the stated first divergence):
 * ``wrong_microbatch_activation``: at the boundary into the loss stage, the activations received for
   microbatches 1 and 2 are attached to each other's microbatch (each is scored against the other one's
   labels and mask).  -> step 0 loss ``lm``, microbatch 1.
+* ``overlap_skips_final_norm``: with the 1F1B overlap schedule on, the combine node of the last decoder
+  layer skips ``decoder.final_layernorm`` when the MTP layer sits in the same chunk (the node-split path
+  forgets the norm that the plain path applies; users report this shape of bug): the main head and the MTP
+  layer both get un-normed h.  Inactive without overlap.  -> step 0 loss ``lm``, microbatch 0.
 * ``renorm_when_mtp_alone``: a stage holding only the MTP layer(s) normalises its input again (an extra,
   weightless RMSNorm on h0) — a layout-dependent bug that only some layouts trigger, for the fuzzer.
 
@@ -56,7 +60,7 @@ import time
 
 import torch
 
-FAULTS = ("grad_bit_flip", "nondeterministic_grad", "reset_optimizer_on_resume", "swap_backward_microbatches", "skip_final_norm_standalone", "double_final_norm_mtp",
+FAULTS = ("grad_bit_flip", "nondeterministic_grad", "reset_optimizer_on_resume", "swap_backward_microbatches", "skip_final_norm_standalone", "double_final_norm_mtp", "overlap_skips_final_norm",
           "unsynced_embedding_replica", "mtp_loss_main_mask_count", "rescale_grads_per_microbatch",
           "grad_norm_counts_replica", "wrong_microbatch_activation", "renorm_when_mtp_alone", "wrong_wd_group",
           "crash_rank", "hang_rank")
@@ -110,6 +114,11 @@ def at_step_start(name, step, rank, world_size):
 def applies_final_norm(name, layout) -> bool:
     """False when ``skip_final_norm_standalone`` drops the final norm (standalone MTP layouts only)."""
     return not (name == "skip_final_norm_standalone" and layout.mtp_standalone)
+
+
+def overlap_skips_final_norm(name, overlap: bool, chunk_has_mtp: bool) -> bool:
+    """True under ``overlap_skips_final_norm`` on the overlapped path of a chunk that also holds the MTP."""
+    return name == "overlap_skips_final_norm" and overlap and chunk_has_mtp
 
 
 def mtp_input(name, symbols, h):

@@ -131,14 +131,15 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
     state = RankState(cfg, rank, transport)
     layout = state.layout
     actions = build_schedule(layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
-                             cfg.model.hidden_size)[rank]
+                             cfg.model.hidden_size, cfg.parallel.overlap_moe_expert_parallel_comm)[rank]
     actions = faults.schedule(cfg.inject, actions, layout, rank)
     sync_embedding = EmbeddingSync(layout, rank, state.params, transport, cfg.inject)
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, cfg.model.vocab_size)
     probe = Probe() if cfg.capture == "activations" else None
     for chunk in state.chunks.values():
         chunk.probe = probe
-    executor = StepExecutor(state.chunks, t.num_microbatches, transport, state.dtype, cfg.inject, probe)
+    executor = StepExecutor(state.chunks, t.num_microbatches, transport, state.dtype, cfg.inject, probe,
+                            cfg.parallel.overlap_moe_expert_parallel_comm, cfg.parallel.delay_wgrad_compute)
     optimizer = make_optimizer(state)
     writer = TraceWriter(trace_path)
     writer.write(state.header())

@@ -104,31 +104,96 @@ class StageChunk(nn.Module):
     def _probe(self, mb: Microbatch, key: str, t: torch.Tensor) -> torch.Tensor:
         return self.probe(mb.index, key, t) if self.probe is not None else t
 
-    def forward(self, x: Optional[torch.Tensor], mb: Microbatch):
-        h = self._probe(mb, "embedding.output", self.embedding(mb.tokens)) if self.has_embedding_input else x
-        computed = self.has_embedding_input
-        cos, sin = self.rope(mb.tokens.shape[1], mb.tokens.device, h.dtype)
+    def nodes(self, mb: Microbatch, dtype: torch.dtype, overlap: bool = False) -> tuple:
+        """This chunk's computation for microbatch `mb` as schedule nodes (model/plan.py):
+        ``(pre, layers, post)`` where `pre` and `post` are fn(state) and `layers` lists, per decoder layer
+        then per MTP depth, {slot: fn(state)}.  The state's ``"h"`` enters as the received activation (None on
+        the first stage); `post` leaves the result in ``state["out"]``: the activation to send, or a
+        `LossOutput` on the loss stage.  dtype: the activation dtype (of the RoPE tables).  `overlap` only
+        matters for the planted fault ``overlap_skips_final_norm``."""
+        cos, sin = self.rope(mb.tokens.shape[1], mb.tokens.device, dtype)
+        layers: list[dict] = []
+        ids = list(self.decoder.layers)
         for i, layer in self.decoder.layers.items():
-            h = self._probe(mb, f"decoder.layers.{i}.input", h)
-            h, computed = self._probe(mb, f"decoder.layers.{i}.output", layer(h, cos, sin)), True
-        if self.applies_final_norm:
-            h, computed = self._probe(mb, "decoder.final_layernorm.output", self.decoder.final_layernorm(h)), True
+            fns = dict(layer.nodes(cos, sin))
+            first, last = fns["pre_dispatch"], list(fns)[-1]
+            fns["pre_dispatch"] = self._probed_input(first, mb, f"decoder.layers.{i}.input")
+            fns[last] = self._layer_end(fns[last], mb, i, i == ids[-1], overlap)
+            layers.append(fns)
         if self.has_mtp:
-            h = self._probe(mb, "mtp.input", h)
             embed = self.mtp_embedding if hasattr(self, "mtp_embedding") else self.embedding
-            h = faults.mtp_input(self.inject, self.symbols, h)
-            h_mtp = faults.mtp_layers_input(self.inject, h, getattr(self.decoder, "final_layernorm", None))
-            out = self.mtp(h_mtp, mb.tokens, embed, cos, sin)
-            if h_mtp is not h:      # planted fault: only the MTP layers saw the changed h0, the main path keeps h
-                out = torch.cat((h, out[h.shape[0]:]), dim=0)
-            h, computed = self._probe(mb, "mtp.output", out), True
-        if self.has_loss:
-            h = self._probe(mb, "head.input", h)
-            return lm_and_mtp_loss(self.output_layer, h, mb.labels, mb.loss_mask, self.cfg.mtp_num_layers,
-                                   self.cfg.mtp_loss_scaling_factor,
-                                   faults.loss_divisor(self.inject, self.num_microbatches), inject=self.inject)
-        # An empty stage passes its input on as a new tensor, like Megatron's empty TransformerBlock.
-        return h if computed else h.clone()
+            depths = self.mtp.nodes(mb.tokens, embed, cos, sin)
+            first = depths[0]["pre_dispatch"]
+
+            def mtp_pre(st):
+                self._mtp_begin(st, mb)
+                first(st)
+            depths[0]["pre_dispatch"] = mtp_pre
+            concat = depths[-1]["mtp_post"]
+
+            def mtp_end(st):
+                concat(st)
+                st["h"] = self._probe(mb, "mtp.output", st["h"])
+            depths[-1]["mtp_post"] = mtp_end
+            layers += depths
+        computed = self.has_embedding_input or bool(layers) or self.applies_final_norm
+
+        def pre(st):
+            if self.has_embedding_input:
+                st["h"] = self._probe(mb, "embedding.output", self.embedding(mb.tokens))
+
+        def post(st):
+            h = st.pop("h")
+            if self.has_loss:
+                h = self._probe(mb, "head.input", h)
+                st["out"] = lm_and_mtp_loss(self.output_layer, h, mb.labels, mb.loss_mask, self.cfg.mtp_num_layers,
+                                            self.cfg.mtp_loss_scaling_factor,
+                                            faults.loss_divisor(self.inject, self.num_microbatches),
+                                            inject=self.inject)
+            else:
+                # an empty stage passes its input on as a new tensor, like Megatron's empty TransformerBlock
+                st["out"] = h if computed else h.clone()
+        return pre, layers, post
+
+    def _probed_input(self, fn, mb: Microbatch, key: str):
+        def wrapped(st):
+            st["h"] = self._probe(mb, key, st["h"])
+            fn(st)
+        return wrapped
+
+    def _layer_end(self, fn, mb: Microbatch, i: str, last_decoder_layer: bool, overlap: bool):
+        """The layer's last node + output probe, and after the chunk's last decoder layer the decoder's final
+        norm (Megatron applies it in that layer's combine node)."""
+        def wrapped(st):
+            fn(st)
+            st["h"] = self._probe(mb, f"decoder.layers.{i}.output", st["h"])
+            if last_decoder_layer and self.applies_final_norm and not faults.overlap_skips_final_norm(
+                    self.inject, overlap, self.has_mtp):
+                st["h"] = self._probe(mb, "decoder.final_layernorm.output", self.decoder.final_layernorm(st["h"]))
+        return wrapped
+
+    def _mtp_begin(self, st: dict, mb: Microbatch) -> None:
+        """h0 for the MTP depths and the output concatenation (planted faults may make them differ)."""
+        h = self._probe(mb, "mtp.input", st["h"])
+        h = faults.mtp_input(self.inject, self.symbols, h)
+        h_mtp = faults.mtp_layers_input(self.inject, h, getattr(self.decoder, "final_layernorm", None))
+        st["h"] = h
+        if h_mtp is h:
+            self.mtp.begin(st)
+        else:           # planted fault: only the MTP layers see the changed h0, the main path keeps h
+            st["h"], st["mtp.0"] = h_mtp, h
+
+    def forward(self, x: Optional[torch.Tensor], mb: Microbatch):
+        """Run the nodes back to back (one autograd graph): returns the activation to send or a `LossOutput`."""
+        dtype = x.dtype if x is not None else self.embedding.word_embeddings.weight.dtype
+        pre, layers, post = self.nodes(mb, dtype)
+        st = {"h": x}
+        pre(st)
+        for fns in layers:
+            for fn in fns.values():
+                fn(st)
+        post(st)
+        return st["out"]
 
     def moe_layers(self):
         """All MoE layers of this chunk (decoder and MTP), for the aux-loss scale and expert-bias update."""

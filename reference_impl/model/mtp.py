@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .common import RMSNorm, roll_left
+from .common import RMSNorm, fanout, roll_left
 from .layer import TransformerLayer
 from .linear import Linear
 
@@ -28,9 +28,32 @@ class MTPLayer(nn.Module):
         self.transformer_layer = TransformerLayer(cfg, moe=moe)
         self.final_layernorm = RMSNorm(cfg.hidden_size, eps)
 
+    def nodes(self, depth: int, last: bool, ids, embed, cos, sin) -> dict:
+        """{slot: fn(state)} of depth `depth` (0-based) as Megatron's ``build_mtp_layer_callables``:
+        pre_dispatch = embedding of the rolled ids `ids` [b, s] (via `embed`), enorm / hnorm / concat /
+        eh_proj, then the inner layer's pre_dispatch; the inner layer's dispatch / mlp / combine; mtp_post =
+        final_layernorm, stored as ``state["mtp.{depth + 1}"]`` for the output concatenation and (unless
+        `last`) passed on as the next depth's hidden input ``state["h"]``."""
+        fns = self.transformer_layer.nodes(cos, sin)
+        inner_pre = fns["pre_dispatch"]
+
+        def pre_dispatch(st):
+            st["h"] = self.eh_proj(torch.cat((self.enorm(embed(ids)), self.hnorm(st["h"])), dim=-1))
+            inner_pre(st)
+
+        def mtp_post(st):
+            out = self.final_layernorm(st.pop("h"))
+            st["h"], st[f"mtp.{depth + 1}"] = (None, out) if last else fanout(out, 2)
+            if st["h"] is None:
+                del st["h"]
+
+        return {**fns, "pre_dispatch": pre_dispatch, "mtp_post": mtp_post}
+
     def forward(self, h, emb, cos, sin):
-        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))
-        return self.final_layernorm(self.transformer_layer(x, cos, sin))
+        st = {"h": h}
+        for fn in self.nodes(0, True, None, lambda _ids: emb, cos, sin).values():
+            fn(st)
+        return st["mtp.1"]
 
 
 class MTPBlock(nn.Module):
@@ -45,10 +68,32 @@ class MTPBlock(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict({str(k): MTPLayer(cfg, moe) for k in range(cfg.mtp_num_layers)})
 
-    def forward(self, h0, tokens, embed, cos, sin):
-        outputs, h, ids = [h0], h0, tokens
-        for layer in self.layers.values():
+    def nodes(self, tokens, embed, cos, sin) -> list[dict]:
+        """Per depth, {slot: fn(state)} (`MTPLayer.nodes`).  Expects ``state["h"]`` = the hidden input of
+        depth 1 and ``state["mtp.0"]`` = h0 for the concatenation (`begin`); the last depth leaves
+        ``state["h"] = cat([h0, h1, ..., hD])`` [(1+D)·s, b, h]."""
+        out, ids, n = [], tokens, len(self.layers)
+        for k, layer in enumerate(self.layers.values()):
             ids = roll_left(ids)
-            h = layer(h, embed(ids), cos, sin)
-            outputs.append(h)
-        return torch.cat(outputs, dim=0)
+            out.append(layer.nodes(k, k == n - 1, ids, embed, cos, sin))
+        concat = out[-1]["mtp_post"]
+
+        def mtp_post_and_concat(st):
+            concat(st)
+            st["h"] = torch.cat([st.pop(f"mtp.{k}") for k in range(n + 1)], dim=0)
+
+        out[-1]["mtp_post"] = mtp_post_and_concat
+        return out
+
+    @staticmethod
+    def begin(st: dict) -> None:
+        """h0 = ``state["h"]`` feeds both depth 1 and the concatenation: fan it out."""
+        st["h"], st["mtp.0"] = fanout(st["h"], 2)
+
+    def forward(self, h0, tokens, embed, cos, sin):
+        st = {"h": h0}
+        self.begin(st)
+        for fns in self.nodes(tokens, embed, cos, sin):
+            for fn in fns.values():
+                fn(st)
+        return st["h"]
