@@ -38,7 +38,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reference_impl import faults
-from reference_impl.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from reference_impl.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig, overlap_problem
 from reference_impl.data import DataError, TokenDataset
 from reference_impl.layout import LayoutError, PipelineLayout
 from reference_impl.schedule import ScheduleError, build_schedule, simulate
@@ -91,6 +91,9 @@ class VariantSpec(_Strict):
     name: str = Field(min_length=1, max_length=100)
     pipeline_model_parallel_layout: str
     pipeline_model_parallel_size: int = Field(ge=1, le=1024)
+    expert_model_parallel_size: int = Field(1, ge=1, le=64)
+    overlap_moe_expert_parallel_comm: bool = False    # Megatron's 1F1B overlap schedule
+    delay_wgrad_compute: bool = False
     options: dict = Field(default_factory=dict)
     expect: Literal["bitwise", "diverge"] = "bitwise"
     first_divergence: Optional[ExpectedDivergence] = None
@@ -279,9 +282,13 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, v.pipeline_model_parallel_size,
                                             spec.model.num_layers, spec.model.mtp_num_layers)
         simulate(build_schedule(layout, training.num_microbatches, training.seq_length,
-                                training.micro_batch_size, spec.model.hidden_size))
+                                training.micro_batch_size, spec.model.hidden_size,
+                                v.overlap_moe_expert_parallel_comm))
     except (LayoutError, ScheduleError) as e:
         raise UsageError(f"{where}: {e}") from None
+    problem = overlap_problem(spec.model, v.overlap_moe_expert_parallel_comm, v.delay_wgrad_compute)
+    if problem:
+        raise UsageError(f"{where}: {problem}")
     fault = v.inject or (None if is_baseline else inject)
     try:
         faults.check(fault)
@@ -291,5 +298,8 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
                        params_dtype=spec.params_dtype or ("bfloat16" if spec.device == "cuda" else "float32"),
                        num_gpus=spec.num_gpus, capture=spec.capture,
                        parallel=ParallelConfig(pipeline_model_parallel_layout=v.pipeline_model_parallel_layout,
-                                               pipeline_model_parallel_size=v.pipeline_model_parallel_size))
+                                               pipeline_model_parallel_size=v.pipeline_model_parallel_size,
+                                               expert_model_parallel_size=v.expert_model_parallel_size,
+                                               overlap_moe_expert_parallel_comm=v.overlap_moe_expert_parallel_comm,
+                                               delay_wgrad_compute=v.delay_wgrad_compute))
     return PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)

@@ -161,6 +161,27 @@ class ParallelConfig(_Strict):
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
 
+    @property
+    def world_size(self) -> int:
+        """Processes of one run: P x EP (global rank = pp_rank * EP + ep_rank, Megatron's order with TP=CP=1)."""
+        return self.pipeline_model_parallel_size * self.expert_model_parallel_size
+
+
+def check_expert_parallel(model: ModelConfig, training: TrainingConfig, parallel: ParallelConfig) -> None:
+    """The divisibility rules of expert parallelism (reference_impl/model/expert_parallel.py).
+
+    Raises:
+        ValueError: one line naming the violated rule.
+    """
+    ep = parallel.expert_model_parallel_size
+    if model.num_moe_experts % ep:
+        raise ValueError(f"num_moe_experts={model.num_moe_experts} is not divisible by "
+                         f"expert_model_parallel_size={ep} (each EP rank owns num_moe_experts/EP experts)")
+    tokens = training.seq_length * training.micro_batch_size
+    if tokens % ep:
+        raise ValueError(f"seq_length*micro_batch_size={tokens} is not divisible by expert_model_parallel_size={ep} "
+                         "(each EP rank dispatches an equal contiguous shard of a microbatch's tokens)")
+
 
 class DumpConfig(_Strict):
     """Full tensor dump at one step (for ULP evidence): main_grad and updated fp32 value of the listed
@@ -196,3 +217,28 @@ class RunConfig(_Strict):
     resume_from: Optional[str] = None            # checkpoint directory: continue after its step
     inject: Optional[str] = None             # test-only planted fault (reference_impl.faults)
     rank_timeout_s: float = Field(120.0, gt=0)  # gloo collective / p2p timeout inside ranks
+
+    @model_validator(mode="after")
+    def _expert_parallel(self):
+        check_expert_parallel(self.model, self.training, self.parallel)
+        return self
+
+
+def overlap_problem(model: ModelConfig, overlap: bool, delay_wgrad: bool) -> Optional[str]:
+    """Why the 1F1B overlap settings cannot run with `model`, in one line (None when they can).
+
+    Mirrors the checks of Megatron's ``TransformerConfig.__post_init__`` / ``arguments.py`` that concern the
+    schedule: delay_wgrad_compute needs the overlap; the overlap supports at most one MTP layer, whose inner
+    layer must be MoE (``build_mtp_layer_callables``).  (P>1 needs V>1: `schedule.check_sizes`.)  Megatron
+    also demands EP>1 and bf16; the reference trainer relaxes those two, because the reordering it verifies
+    does not depend on them and CPU runs are fp32.
+    """
+    if delay_wgrad and not overlap:
+        return "delay_wgrad_compute needs overlap_moe_expert_parallel_comm (as in Megatron)"
+    if overlap and model.mtp_num_layers > 1:
+        return (f"overlap_moe_expert_parallel_comm supports at most one MTP layer (mtp_num_layers is "
+                f"{model.mtp_num_layers}), as in Megatron")
+    if overlap and model.mtp_num_layers and not model.moe_layers[-1]:
+        return ("overlap_moe_expert_parallel_comm needs an MoE layer inside the MTP layer (the last decoder "
+                "layer must be MoE), as in Megatron")
+    return None
