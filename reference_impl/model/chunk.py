@@ -168,7 +168,7 @@ class StageChunk(nn.Module):
             fn(st)
             st["h"] = self._probe(mb, f"decoder.layers.{i}.output", st["h"])
             if last_decoder_layer and self.applies_final_norm and not faults.overlap_skips_final_norm(
-                    self.inject, overlap, self.has_mtp):
+                    self.inject, overlap):
                 st["h"] = self._probe(mb, "decoder.final_layernorm.output", self.decoder.final_layernorm(st["h"]))
         return wrapped
 
