@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     se.add_argument("--vpp", type=int, default=1)
     se.add_argument("--microbatches", type=int, required=True)
     se.add_argument("--all", action="store_true", help="also show send/recv actions")
+    se.add_argument("--overlap", action="store_true",
+                    help="Megatron's 1F1B overlap (overlap_moe_expert_parallel_comm): merged F+B actions")
     return p
 
 
@@ -92,12 +94,13 @@ def _schedule_explain(args) -> int:
     if args.pp == 1 and args.vpp > 1:
         raise UsageError("--vpp > 1 needs --pp > 1 (the no-pipelining schedule runs one chunk)")
     try:
-        lists = build_schedule(layout, args.microbatches, 1, 1, 1)
+        lists = build_schedule(layout, args.microbatches, 1, 1, 1, args.overlap)
         rounds = simulate(lists)
         _, bubble = timeline(lists)
     except ScheduleError as e:
         raise UsageError(str(e)) from None
     kind = "no pipelining" if args.pp == 1 else ("1F1B" if args.vpp == 1 else "interleaved 1F1B")
+    kind += " with 1F1B overlap (F+B = merged, node by node)" if args.overlap else ""
     print(f"{kind}: P={args.pp} V={args.vpp} M={args.microbatches}  (F<stage>.<microbatch>; dry run: "
           f"{rounds} rounds, no deadlock; bubble fraction {bubble:.3f} with forward 1 / backward 2)")
     print(grid(lists, compute_only=not args.all))

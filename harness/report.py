@@ -559,6 +559,7 @@ TIMELINE_FORWARD = (("#0969da", "#ffffff"), ("#80ccff", "#1f2328"), ("#0550ae", 
 TIMELINE_BACKWARD = (("#bc4c00", "#ffffff"), ("#ffb77c", "#1f2328"), ("#762c00", "#ffffff"),
                      ("#ffd8b5", "#1f2328"))
 TIMELINE_OTHER = ("#8c959f", "#ffffff")
+TIMELINE_MERGED = "#6639ba"       # outline (and legend swatch) of a merged forward|backward cell
 TIMELINE_IDLE = "#f6f8fa"
 TIMELINE_MAX_WIDTH = 1100
 
@@ -594,8 +595,14 @@ def _timeline_cells(v: VariantResult) -> list[dict]:
         start, end = _finite_or_none(c.get("start")), _finite_or_none(c.get("end"))
         if rank < 0 or start is None or end is None or end <= start or start < 0:
             continue
-        cells.append({"rank": rank, "start": start, "end": end, "op": str(c.get("op", "")),
-                      "stage": stage, "microbatch": mb})
+        cell = {"rank": rank, "start": start, "end": end, "op": str(c.get("op", "")), "stage": stage,
+                "microbatch": mb}
+        if cell["op"] == "FB":      # merged forward + backward (1F1B overlap)
+            try:
+                cell.update(b_stage=int(c.get("b_stage")), b_microbatch=int(c.get("b_microbatch")))
+            except (TypeError, ValueError):
+                continue
+        cells.append(cell)
     cells.sort(key=lambda c: (c["rank"], c["start"], c["end"], c["op"], c["stage"], c["microbatch"]))
     return cells
 
@@ -603,6 +610,28 @@ def _timeline_cells(v: VariantResult) -> list[dict]:
 def _cell_colours(op: str, chunk: int) -> tuple[str, str]:
     palette = {"F": TIMELINE_FORWARD, "B": TIMELINE_BACKWARD}.get(op)
     return TIMELINE_OTHER if palette is None else palette[chunk % len(palette)]
+
+
+def _merged_cell(c: dict, pp: int, x: float, w: float, y: float) -> list[str]:
+    """SVG of one merged 1F1B-overlap cell: the forward third and the backward two thirds in their chunks'
+    colours inside one outlined box, labelled ``f|b`` (the two microbatches) when it fits."""
+    fchunk, bchunk = c["stage"] // pp, c["b_stage"] // pp
+    (ffill, fink), (bfill, _) = _cell_colours("F", fchunk), _cell_colours("B", bchunk)
+    tip = (f'rank {c["rank"]} · merged (1F1B overlap): forward stage {c["stage"]} (chunk {fchunk}) microbatch '
+           f'{c["microbatch"]} + backward stage {c["b_stage"]} (chunk {bchunk}) microbatch {c["b_microbatch"]}'
+           f' · t {_num(c["start"])}–{_num(c["end"])}')
+    out = [f'<g class="cell FB merged chunk-{fchunk} bchunk-{bchunk}"><title>{_attr(tip)}</title>',
+           f'<rect x="{_num(x)}" y="{y}" width="{_num(w / 3)}" height="{_TL_ROW_H}" fill="{ffill}"/>',
+           f'<rect x="{_num(x + w / 3)}" y="{y}" width="{_num(2 * w / 3)}" height="{_TL_ROW_H}" fill="{bfill}"/>',
+           f'<rect x="{_num(x)}" y="{y}" width="{_num(w)}" height="{_TL_ROW_H}" fill="none" '
+           f'stroke="{TIMELINE_MERGED}" stroke-width="1.4"/>']
+    text = f'{c["microbatch"]}|{c["b_microbatch"]}'
+    size = next((fs for fs in (10, 9, 8) if w >= 0.6 * fs * len(text) + 2), None)
+    if size is not None:
+        out.append(f'<text class="mb" x="{_num(x + w / 2)}" y="{_num(y + _TL_ROW_H / 2 + size * 0.35)}" '
+                   f'text-anchor="middle" fill="#1f2328" font-size="{size}">{_attr(text)}</text>')
+    out.append("</g>")
+    return out
 
 
 def _tick_step(unit_px: float) -> int:
@@ -648,7 +677,9 @@ def timeline_svg(v: VariantResult) -> Optional[str]:
                 if len(chunks) > 1:
                     label = f"{word} · chunk {ch}"
                 legend.append((_cell_colours(op, ch)[0], None, label))
-    if any(c["op"] not in ("F", "B") for c in cells):
+    if any(c["op"] == "FB" for c in cells):
+        legend.append((TIMELINE_MERGED, None, "merged forward | backward (1F1B overlap, 3 units)"))
+    if any(c["op"] not in ("F", "B", "FB") for c in cells):
         legend.append((TIMELINE_OTHER[0], None, "other"))
     legend.append((TIMELINE_IDLE, "#d0d7de", "idle (bubble)"))
     legend_note = "number in a cell = microbatch"
@@ -691,6 +722,10 @@ def timeline_svg(v: VariantResult) -> Optional[str]:
                    f'fill="{TIMELINE_IDLE}" fill-opacity="0.85" stroke="#d0d7de" stroke-width="0.5"/>')
     # cells
     for c in cells:
+        if c["op"] == "FB":
+            out += _merged_cell(c, pp, x0 + c["start"] * unit, (c["end"] - c["start"]) * unit,
+                                _TL_AXIS_H + c["rank"] * (_TL_ROW_H + _TL_ROW_GAP))
+            continue
         chunk = c["stage"] // pp
         fill, ink = _cell_colours(c["op"], chunk)
         x = x0 + c["start"] * unit

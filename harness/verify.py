@@ -73,7 +73,7 @@ def _dir_name(name: str, taken: set) -> str:
 def _schedule(run: PlannedRun) -> list:
     t = run.config.training
     return build_schedule(run.layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
-                          run.config.model.hidden_size)
+                          run.config.model.hidden_size, run.config.parallel.overlap_moe_expert_parallel_comm)
 
 
 def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optional[Trace], env: dict,
@@ -115,7 +115,7 @@ def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launch
         if not outcome.ok:
             return {"runs": k, "deterministic": False, "first_divergence": None,
                     "detail": f"repeat {k} did not complete: {outcome.error.splitlines()[0]}"}
-        cmp = compare(first, merge(rdir, run.layout.pipeline_model_parallel_size))
+        cmp = compare(first, merge(rdir, run.config.parallel.world_size))
         progress(f"      repeat {k}: {'bitwise equal' if cmp.bitwise_equal else 'DIFFERS'} ({outcome.elapsed_s:.1f} s)")
         if not cmp.bitwise_equal:
             fd = cmp.first_divergence
@@ -214,13 +214,15 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     for i, run in enumerate(order, start=1):
         name = run.spec.name
         run = dataclasses.replace(run, config=plan_configs[name])
+        ep = run.config.parallel.expert_model_parallel_size
         progress(f"[{i}/{len(plan.runs)}] {name}: P={run.layout.pipeline_model_parallel_size} "
-                 f"V={run.layout.virtual_pipeline_model_parallel_size} {run.layout.text} ...")
+                 f"V={run.layout.virtual_pipeline_model_parallel_size}{f' EP={ep}' if ep > 1 else ''} "
+                 f"{run.layout.text} ...")
         outcome = run_ranks(run.config, work / dirs[name], timeout, launcher)
         trace = None
         if outcome.ok:
             try:
-                trace = merge(work / dirs[name], run.layout.pipeline_model_parallel_size)
+                trace = merge(work / dirs[name], run.config.parallel.world_size)
                 trace.save(work / dirs[name] / "trace.json")
             except TraceError as e:
                 outcome = RunOutcome(False, f"trace error: {e}", outcome.elapsed_s)
