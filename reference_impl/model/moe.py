@@ -8,11 +8,15 @@ permutation (index_select with unique indices), and no scatter_add / atomics are
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from .common import LossAutoScaler, SwiGLUMLP, fanout
+from .expert_parallel import (ExpertParallel, all_to_all, gather_shards, plan_dispatch, sort_chunks, take_shard,
+                              unsort_chunks)
 
 
 def _topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,26 +98,48 @@ class MoELayer(nn.Module):
 
     The forward is four steps, the nodes of Megatron's 1F1B overlap schedule
     (``models/gpt/fine_grained_callables.py``): `pre_dispatch` (router, aux loss, shared expert, permute),
-    `dispatch` (the expert-parallel all-to-all; nothing with EP=1), `experts_compute` (each expert on its
-    tokens) and `combine` (un-permute, top-k weighted sum, + shared).  They pass tensors in a state dict
-    (keys ``moe.*``); `forward` runs them back to back.  ``aux_loss_scale`` is the backward seed of the seq
-    aux loss (1/num_microbatches, Megatron's MoEAuxLossAutoScaler scale), set before each step.
+    `dispatch` (the expert-parallel all-to-all; nothing with EP=1), `experts_compute` (each local expert on
+    its tokens) and `combine` (the reverse all-to-all, un-permute, top-k weighted sum, all-gather of the
+    EP shards, + shared).  They pass tensors in a state dict (keys ``moe.*``); `forward` runs them back to
+    back.  ``aux_loss_scale`` is the backward seed of the seq aux loss (1/num_microbatches, Megatron's
+    MoEAuxLossAutoScaler scale), set before each step.
+
+    Expert parallelism (`expert_parallel.ExpertParallel`, ``ep``; None = EP 1): only the local experts
+    ``experts.{e}`` (global ids ``[r*E/EP, (r+1)*E/EP)``) exist; everything else is computed redundantly on
+    every EP rank, and each EP rank dispatches its contiguous shard of the tokens (bitwise equal to EP 1, see
+    `expert_parallel`).  `set_expert_parallel` switches a layer built for EP 1 to an EP group.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ep: Optional[ExpertParallel] = None):
         super().__init__()
         self.cfg = cfg
+        self.ep = ep
         self.router = Router(cfg)
-        self.experts = nn.ModuleDict({str(e): SwiGLUMLP(cfg.hidden_size, cfg.moe_ffn_hidden_size)
-                                      for e in range(cfg.num_moe_experts)})
+        local = range(cfg.num_moe_experts) if ep is None else ep.local_experts(cfg.num_moe_experts)
+        self.experts = nn.ModuleDict({str(e): SwiGLUMLP(cfg.hidden_size, cfg.moe_ffn_hidden_size) for e in local})
         self.shared_experts = SwiGLUMLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size)
         self.aux_loss_scale = 1.0
+        self.unsorted_dispatch = False       # planted fault ep_unsorted_dispatch (reference_impl.faults)
+
+    def set_expert_parallel(self, ep: Optional[ExpertParallel], unsorted_dispatch: bool = False) -> None:
+        """Use EP group `ep` (None: EP 1): drop the experts other EP ranks own.  `unsorted_dispatch` plants
+        the fault ``ep_unsorted_dispatch``."""
+        self.ep, self.unsorted_dispatch = ep, unsorted_dispatch
+        keep = {str(e) for e in (range(self.cfg.num_moe_experts) if ep is None
+                                 else ep.local_experts(self.cfg.num_moe_experts))}
+        missing = keep - set(self.experts)
+        if missing:
+            raise ValueError(f"experts {sorted(missing, key=int)} are not built in this layer")
+        for e in [e for e in self.experts if e not in keep]:
+            del self.experts[e]
 
     def pre_dispatch(self, st: dict, x: torch.Tensor) -> None:
-        """x [s, b, h] (the pre-MLP-normed hidden) -> st: ``moe.permuted`` [t·K, h] (the (token, k) rows
-        sorted by expert id, stable: each expert sees its tokens in ascending token order, independent of
-        where experts live), ``moe.probs`` [t, K] fp32 (carrying the aux loss, as Megatron attaches it in the
-        router), ``moe.shared`` [t, h], ``moe.meta`` (shape, sort order, per-expert counts)."""
+        """x [s, b, h] (the pre-MLP-normed hidden) -> st: ``moe.permuted`` [n·K, h] (the (token, k) rows of
+        this EP rank's token shard, n = s·b/EP, sorted by expert id, stable: each expert sees its tokens in
+        ascending token order, independent of where experts live), ``moe.probs`` [n, K] fp32 (the shard's
+        rows of the top-k weights, carrying the aux loss, as Megatron attaches it in the router),
+        ``moe.shared`` [s·b, h], ``moe.meta`` (s, b, `expert_parallel.DispatchPlan`).  The router, the aux
+        loss and the shared expert see all s·b tokens on every EP rank."""
         s, b, h = x.shape
         t, k = s * b, self.cfg.moe_router_topk
         to_router, to_shared, to_permute = fanout(x.reshape(t, h), 3)
@@ -124,37 +150,42 @@ class MoELayer(nn.Module):
             probs = LossAutoScaler.apply(probs, seq_aux_loss(to_aux, index, s, b, self.cfg), self.aux_loss_scale)
         else:
             probs = self.router.probs(scores, index)
-        flat_expert = index.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.cfg.num_moe_experts).tolist()
+        plan = plan_dispatch(index, self.cfg.num_moe_experts, self.ep, self.unsorted_dispatch)
+        tokens = take_shard(to_permute, self.ep)                       # [n, h]
+        n = tokens.shape[0]
         st["moe.shared"] = self.shared_experts(to_shared)
-        st["moe.permuted"] = to_permute.unsqueeze(1).expand(t, k, h).reshape(t * k, h).index_select(0, order)
-        st["moe.probs"] = probs
-        st["moe.meta"] = (s, b, order, counts)
+        st["moe.permuted"] = tokens.unsqueeze(1).expand(n, k, h).reshape(n * k, h).index_select(0, plan.order)
+        st["moe.probs"] = take_shard(probs, self.ep)
+        st["moe.meta"] = (s, b, plan)
 
     def dispatch(self, st: dict) -> None:
-        """Expert-parallel token all-to-all (EP = 1: nothing to send)."""
+        """Expert-parallel token all-to-all (Megatron's ``token_dispatch``): ``moe.permuted`` becomes the rows
+        this EP rank's experts receive, [source][local expert] order.  EP = 1: nothing to send."""
+        plan = st["moe.meta"][2]
+        st["moe.permuted"] = all_to_all(st["moe.permuted"], plan.out_splits, plan.in_splits, self.ep)
 
     def experts_compute(self, st: dict) -> None:
-        """``moe.permuted`` [t·K, h] -> ``moe.expert_out`` [t·K, h]: expert e on its contiguous rows."""
-        counts = st["moe.meta"][3]
-        permuted = st.pop("moe.permuted")
-        st["moe.expert_out"] = torch.cat([self.experts[str(e)](chunk)
-                                          for e, chunk in enumerate(permuted.split(counts))])
+        """``moe.permuted`` -> ``moe.expert_out`` (same rows, same order): each local expert on one fresh
+        contiguous tensor of its rows, source 0's then source 1's ... (= EP 1's rows in EP 1's order)."""
+        plan = st["moe.meta"][2]
+        inputs = sort_chunks(st.pop("moe.permuted"), plan)
+        first = 0 if self.ep is None else self.ep.local_experts(self.cfg.num_moe_experts).start
+        outputs = [self.experts[str(first + j)](x) for j, x in enumerate(inputs)]
+        st["moe.expert_out"] = unsort_chunks(outputs, plan)
 
     def combine(self, st: dict) -> torch.Tensor:
-        """Un-permute ``moe.expert_out`` (the inverse permutation: an exact gather with an exact backward),
-        weight by the top-k probs in a fixed order, add the shared expert; returns [s, b, h]."""
-        s, b, order, _ = st.pop("moe.meta")
+        """The reverse all-to-all (Megatron's ``token_combine``), un-permute ``moe.expert_out`` (the inverse
+        permutation: an exact gather with an exact backward), weight by the top-k probs in a fixed order,
+        all-gather the EP shards, add the shared expert; returns [s, b, h]."""
+        s, b, plan = st.pop("moe.meta")
         k, h = self.cfg.moe_router_topk, self.cfg.hidden_size
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        routed = st.pop("moe.expert_out").index_select(0, inverse).view(s * b, k, h)
+        rows = all_to_all(st.pop("moe.expert_out"), plan.in_splits, plan.out_splits, self.ep)
+        routed = rows.index_select(0, plan.inverse()).view(-1, k, h)
         probs = st.pop("moe.probs").to(routed.dtype)    # Megatron casts the fp32 router probs to the activation dtype
         combined = routed[:, 0] * probs[:, 0:1]
         for j in range(1, k):                      # fixed-order sum over the top-k
             combined = combined + routed[:, j] * probs[:, j:j + 1]
-        return (combined + st.pop("moe.shared")).view(s, b, h)
+        return (gather_shards(combined, self.ep) + st.pop("moe.shared")).view(s, b, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         st: dict = {}
