@@ -15,6 +15,8 @@ starts from another case and deep-merges this file's mappings over it)::
       - name: ...
         pipeline_model_parallel_layout: "Et*3|(tt|)*29,m|L"
         pipeline_model_parallel_size: 16
+        expert_model_parallel_size: 2  # EP (default 1): routed experts over 2 ranks per pipeline rank, world P x EP;
+                                     # num_moe_experts and seq_length*micro_batch_size must be divisible by it
         options: {clip_grad: 0.05}   # overrides of `training` for this variant
         compare_to: other-variant    # reference run (default: the baseline)
         repeat: 2                    # also run it again and require the runs bitwise equal (a control)
@@ -38,7 +40,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reference_impl import faults
-from reference_impl.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig, overlap_problem
+from reference_impl.config import (ModelConfig, ParallelConfig, RunConfig, TrainingConfig, check_expert_parallel,
+                                   overlap_problem)
 from reference_impl.data import DataError, TokenDataset
 from reference_impl.layout import LayoutError, PipelineLayout
 from reference_impl.schedule import ScheduleError, build_schedule, simulate
@@ -289,6 +292,15 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     problem = overlap_problem(spec.model, v.overlap_moe_expert_parallel_comm, v.delay_wgrad_compute)
     if problem:
         raise UsageError(f"{where}: {problem}")
+    parallel = ParallelConfig(pipeline_model_parallel_layout=v.pipeline_model_parallel_layout,
+                              pipeline_model_parallel_size=v.pipeline_model_parallel_size,
+                              expert_model_parallel_size=v.expert_model_parallel_size,
+                              overlap_moe_expert_parallel_comm=v.overlap_moe_expert_parallel_comm,
+                              delay_wgrad_compute=v.delay_wgrad_compute)
+    try:
+        check_expert_parallel(spec.model, training, parallel)
+    except ValueError as e:
+        raise UsageError(f"{where}: expert_model_parallel_size: {e}") from None
     fault = v.inject or (None if is_baseline else inject)
     try:
         faults.check(fault)
@@ -296,10 +308,5 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         raise UsageError(f"{where}: {e}") from None
     config = RunConfig(model=spec.model, training=training, inject=fault, device=spec.device,
                        params_dtype=spec.params_dtype or ("bfloat16" if spec.device == "cuda" else "float32"),
-                       num_gpus=spec.num_gpus, capture=spec.capture,
-                       parallel=ParallelConfig(pipeline_model_parallel_layout=v.pipeline_model_parallel_layout,
-                                               pipeline_model_parallel_size=v.pipeline_model_parallel_size,
-                                               expert_model_parallel_size=v.expert_model_parallel_size,
-                                               overlap_moe_expert_parallel_comm=v.overlap_moe_expert_parallel_comm,
-                                               delay_wgrad_compute=v.delay_wgrad_compute))
+                       num_gpus=spec.num_gpus, capture=spec.capture, parallel=parallel)
     return PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)

@@ -86,7 +86,7 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
         outcome = run_ranks(base_cfg, work / "baseline", plan.spec.timeout_s)
         if not outcome.ok:
             raise UsageError(f"baseline {plan.runs[0].spec.name!r} failed: {outcome.error.splitlines()[0]}")
-        baseline = merge(work / "baseline", base_cfg.parallel.pipeline_model_parallel_size)
+        baseline = merge(work / "baseline", base_cfg.parallel.world_size)
         state = {"last": None, "shrinking": False}
 
         def check(example) -> None:

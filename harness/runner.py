@@ -1,4 +1,4 @@
-"""Runs one training run as a process group (one process per pipeline rank) under a watchdog.
+"""Runs one training run as a process group (one process per rank: P x EP of them) under a watchdog.
 
 Ranks are forked from a forkserver that has already imported torch and the trainer
 (``set_forkserver_preload``), so a 16-rank run does not pay 16 torch imports.  The watchdog ends the run
@@ -94,9 +94,9 @@ def _first_failure(run_dir: Path, world: int) -> str:
 
 
 def run_torchrun(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
-    """Launch the ranks with ``torchrun --standalone --nproc-per-node P`` (one process per rank, rank and
+    """Launch the ranks with ``torchrun --standalone --nproc-per-node P*EP`` (one process per rank, rank and
     world from the environment, local rank r on ``cuda:r``) under the same watchdog."""
-    world = cfg.parallel.pipeline_model_parallel_size
+    world = cfg.parallel.world_size
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir / "config.json"
     cfg_path.write_text(cfg.model_dump_json())
@@ -123,14 +123,15 @@ def run_torchrun(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
 
 
 def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "fork") -> RunOutcome:
-    """Start ``pipeline_model_parallel_size`` ranks for `cfg` writing into `run_dir` and wait for them.
+    """Start the ``P x EP`` ranks of `cfg` (global rank = pp_rank * EP + ep_rank) writing into `run_dir` and
+    wait for them.
 
     launcher: "fork" (forkserver children, default) or "torchrun" (`run_torchrun`)."""
     if launcher == "torchrun":
         return run_torchrun(cfg, run_dir, timeout_s)
     from reference_impl.worker import rank_main
 
-    world = cfg.parallel.pipeline_model_parallel_size
+    world = cfg.parallel.world_size
     run_dir.mkdir(parents=True, exist_ok=True)
     store = run_dir / "filestore"
     store.unlink(missing_ok=True)

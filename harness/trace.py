@@ -49,6 +49,7 @@ class Trace:
     init: dict                                       # key -> fingerprint of the initial value
     steps: list                                      # [StepTrace]
     world_size: int
+    expert_model_parallel_size: int = 1              # EP; world_size = P x EP
 
     def save(self, path: Path) -> None:
         """Write as JSON (``trace.json``)."""
@@ -73,17 +74,35 @@ def _read(path: Path) -> list[dict]:
     return records
 
 
+def _same(rank: int, header: dict, step: int, what: str, ours, theirs) -> None:
+    """An EP replica rank's record must equal EP rank 0's (they compute the same tensors)."""
+    if ours != theirs:
+        raise TraceError(f"rank {rank} (pp rank {header.get('pp_rank')}, ep rank {header.get('ep_rank')}): {what} "
+                         f"at step {step} differs from ep rank 0's copy (expert-parallel replicas must compute "
+                         "identically)")
+
+
 def merge(run_dir: Path, world_size: int) -> Trace:
     """Read ``rank0..rank{world_size-1}.jsonl`` from `run_dir` and merge them.
 
+    Expert parallelism (world = P x EP, global rank = pp_rank * EP + ep_rank): the ranks of EP rank > 0
+    trace their own experts under the global names and their copies of everything else under replica keys
+    (``name@ep1``, checked by `harness.compare.replica_status`); their losses, buffers (expert bias), grad
+    norm, activations and boundary fingerprints must equal EP rank 0's, else the merge fails naming the rank
+    (they never overwrite EP rank 0's records silently).
+
     Raises:
-        TraceError: a rank trace is missing or truncated, two ranks hold the same key, or the ranks
-            disagree on the number of steps.
+        TraceError: a rank trace is missing or truncated, two ranks hold the same key, an EP replica's
+            records differ from EP rank 0's, or the ranks disagree on the number of steps.
     """
     params, owner, init, steps = {}, {}, {}, {}
+    ep_size = 1
     for rank in range(world_size):
         records = _read(run_dir / f"rank{rank}.jsonl")
-        for meta in records[0]["params"]:
+        header = records[0]
+        ep_size = header.get("expert_model_parallel_size", 1)
+        replica = header.get("ep_rank", 0) > 0          # EP rank 0 of this pipeline rank merged before it
+        for meta in header["params"]:
             key = meta["key"]
             if key in params:
                 raise TraceError(f"parameter {key} is held by ranks {owner[key]} and {rank}")
@@ -93,17 +112,29 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                 init.update(rec["params"])
                 continue
             st = steps.setdefault(rec["step"], StepTrace(step=rec["step"]))
-            for part in ("grads", "params", "buffers"):
+            for part in ("grads", "params"):
                 getattr(st, part).update(rec[part])
-            if "losses" in rec:
-                st.losses, st.lm_loss = rec["losses"], rec["lm_loss"]
-            st.grad_norm, st.clip_coeff, st.clipped = rec["grad_norm"], rec["clip_coeff"], rec.get("clipped")
+            if replica:
+                step = rec["step"]
+                for part in ("buffers", "activations", "boundaries"):
+                    mine, first = rec.get(part, {}), getattr(st, part)
+                    for k, v in mine.items():
+                        _same(rank, header, step, f"{part[:-1]} {k}", v, first.get(k))
+                if "losses" in rec:
+                    _same(rank, header, step, "losses", (rec["losses"], rec["lm_loss"]), (st.losses, st.lm_loss))
+                _same(rank, header, step, "grad norm", (rec["grad_norm"], rec["clip_coeff"]),
+                      (st.grad_norm, st.clip_coeff))
+            else:
+                st.buffers.update(rec["buffers"])
+                if "losses" in rec:
+                    st.losses, st.lm_loss = rec["losses"], rec["lm_loss"]
+                st.grad_norm, st.clip_coeff, st.clipped = rec["grad_norm"], rec["clip_coeff"], rec.get("clipped")
+                st.activations.update(rec.get("activations", {}))
+                st.boundaries.update(rec.get("boundaries", {}))
             st.time_s[str(rank)] = rec["time_s"]
-            st.activations.update(rec.get("activations", {}))
-            st.boundaries.update(rec.get("boundaries", {}))
     counts = {len(st.time_s) for st in steps.values()}
     if counts and counts != {world_size}:
         raise TraceError(f"ranks disagree on the number of steps in {run_dir}")
     order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
     return Trace(format=FORMAT, params=params, order=order, init=init,
-                 steps=[steps[k] for k in sorted(steps)], world_size=world_size)
+                 steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size)

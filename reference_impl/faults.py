@@ -40,6 +40,11 @@ Numerics (the harness must report ``fail`` at the stated first divergence):
   layer skips ``decoder.final_layernorm`` when the MTP layer sits in the same chunk (the node-split path
   forgets the norm that the plain path applies; users report this shape of bug): the main head and the MTP
   layer both get un-normed h.  Inactive without overlap.  -> step 0 loss ``lm``, microbatch 0.
+* ``ep_unsorted_dispatch``: with expert parallelism (EP > 1), each expert receives its tokens ordered by
+  source EP rank in reverse (the last rank's shard first) instead of in ascending token order; the rows go
+  back to the right tokens, so only the order inside each expert's GEMM moves (a dispatcher that forgets
+  ``sort_chunks_by_idxs``'s order).  Inactive with EP = 1.  -> step 0 grad of a routed expert's weight of
+  the first MoE layer (the weight gradient sums the same rows in another order).
 * ``renorm_when_mtp_alone``: a stage holding only the MTP layer(s) normalises its input again (an extra,
   weightless RMSNorm on h0) — a layout-dependent bug that only some layouts trigger, for the fuzzer.
 
@@ -62,7 +67,8 @@ import torch
 
 FAULTS = ("grad_bit_flip", "nondeterministic_grad", "reset_optimizer_on_resume", "swap_backward_microbatches", "skip_final_norm_standalone", "double_final_norm_mtp", "overlap_skips_final_norm",
           "unsynced_embedding_replica", "mtp_loss_main_mask_count", "rescale_grads_per_microbatch",
-          "grad_norm_counts_replica", "wrong_microbatch_activation", "renorm_when_mtp_alone", "wrong_wd_group",
+          "grad_norm_counts_replica", "wrong_microbatch_activation", "ep_unsorted_dispatch", "renorm_when_mtp_alone",
+          "wrong_wd_group",
           "crash_rank", "hang_rank")
 
 #: The matrix `wrong_wd_group` moves into the no-decay group.
@@ -119,6 +125,12 @@ def applies_final_norm(name, layout) -> bool:
 def overlap_skips_final_norm(name, overlap: bool, chunk_has_mtp: bool) -> bool:
     """True under ``overlap_skips_final_norm`` on the overlapped path of a chunk that also holds the MTP."""
     return name == "overlap_skips_final_norm" and overlap and chunk_has_mtp
+
+
+def ep_unsorted_dispatch(name) -> bool:
+    """True under ``ep_unsorted_dispatch``: MoE layers order each expert's received rows by source in reverse
+    (`model.expert_parallel.sort_chunks`; no effect with EP = 1)."""
+    return name == "ep_unsorted_dispatch"
 
 
 def mtp_input(name, symbols, h):

@@ -2,7 +2,8 @@
 
 Names mirror Megatron's with *global* layer ids (megatron-semantics §1.4), e.g.
 ``decoder.layers.37.mlp.experts.5.linear_fc1.weight``; a replica (the MTP stage's copy of the word
-embedding) keeps the logical name and carries a replica tag instead.
+embedding, ``mtp``; with expert parallelism every non-expert parameter of EP rank r > 0, ``ep{r}``) keeps the
+logical name and carries a replica tag instead.
 """
 from __future__ import annotations
 
@@ -46,6 +47,32 @@ def section_and_layer(name: str) -> tuple[int, int]:
             m = _LAYER_ID.match(name)
             return section, int(m.group(1)) if m else 0
     raise ValueError(f"unknown parameter name {name!r}")
+
+
+_EXPERT_ID = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_EP_TAG = re.compile(r"^(?:(.+)\.)?ep(\d+)$")
+
+
+def expert_id(name: str) -> int | None:
+    """Global expert id of a routed-expert parameter (``...mlp.experts.{e}...``), else None."""
+    m = _EXPERT_ID.search(name)
+    return int(m.group(1)) if m else None
+
+
+def ep_replica(replica: str | None, ep_rank: int) -> str | None:
+    """Replica tag of a parameter replicated over the EP ranks (everything but the routed experts): EP rank 0
+    holds the original (`replica` unchanged), EP rank r > 0 a copy tagged ``ep{r}`` (``mtp.ep{r}`` for the MTP
+    stage's embedding replica), so its key ``name@ep{r}`` does not collide and the harness checks that the
+    copies stay identical (``replica_status``)."""
+    if ep_rank == 0:
+        return replica
+    return f"ep{ep_rank}" if replica is None else f"{replica}.ep{ep_rank}"
+
+
+def base_replica(replica: str | None) -> str | None:
+    """The replica tag without its EP part: ``ep1`` -> None, ``mtp.ep1`` -> ``mtp``, ``mtp`` -> ``mtp``."""
+    m = _EP_TAG.match(replica or "")
+    return replica if m is None else m.group(1)
 
 
 def replica_key(name: str, replica: str | None) -> str:

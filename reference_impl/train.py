@@ -3,7 +3,7 @@
 build chunks (global names, name-keyed init) -> per step: microbatches -> run the schedule's action list ->
 finalize grads (embedding replica sum, expert-bias update; Megatron's ``finalize_model_grads``) -> capture
 grads -> grad norm / clip (Megatron's ``get_grad_norm_fp32`` + ``clip_grad_norm``) -> AdamW -> capture params.
-Call with torch.distributed already initialised (one process per pipeline rank).
+Call with torch.distributed already initialised (one process per rank: P x EP of them).
 """
 from __future__ import annotations
 
@@ -25,45 +25,65 @@ from .probe import Probe
 from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
 from .layout import PipelineLayout
 from .model.chunk import Microbatch, StageChunk
+from .model.expert_parallel import ExpertParallel
 from .schedule import build_schedule
 
 
 class RankState:
     """The chunks of one rank and their parameter bookkeeping.
 
+    ``rank`` is the global rank; ``pp_rank, ep_rank = divmod(rank, EP)`` (world = P x EP, Megatron's order
+    with TP = CP = 1; `model.expert_parallel`).  The EP ranks of a pipeline rank hold the same chunks, except
+    that each keeps only its own routed experts (``ep``: the `ExpertParallel` group, None for EP = 1).
+
     ``params``: (key, global name, replica tag, parameter, canonical order key) per parameter, in chunk order;
-    each parameter carries an fp32 ``main_grad``.  ``weight_decay``: key -> whether it is in the optimizer's
-    decay group (the one source for both the optimizer and the trace header).
+    each parameter carries an fp32 ``main_grad``.  Non-expert parameters of EP rank r > 0 are replicas tagged
+    ``ep{r}`` (`names.ep_replica`).  The canonical order key is computed over the EP = 1 parameter list, so it
+    does not depend on EP.  ``weight_decay``: key -> whether it is in the optimizer's decay group (the one
+    source for both the optimizer and the trace header).
     """
 
     def __init__(self, cfg: RunConfig, rank: int, transport):
         self.cfg, self.rank, self.transport = cfg, rank, transport
         par, model, t = cfg.parallel, cfg.model, cfg.training
+        ep_size = par.expert_model_parallel_size
+        self.pp_rank, self.ep_rank = divmod(rank, ep_size)
         self.layout = PipelineLayout.from_string(par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size,
                                                  model.num_layers, model.mtp_num_layers)
         self.device = transport.device
         self.dtype = getattr(torch, cfg.params_dtype)
+        # collective (dist.new_group on every rank, same order): before any other group is made
+        self.ep = ExpertParallel.build(par.pipeline_model_parallel_size, ep_size, rank,
+                                       transport.staged) if ep_size > 1 else None
         separate = t.reductions == "canonical"
         self.chunks = {s: StageChunk(model, self.layout, s, t.num_microbatches, separate, cfg.inject)
-                       for s in self.layout.stages_of_rank(rank)}
+                       for s in self.layout.stages_of_rank(self.pp_rank)}
         self.params = []
         self.weight_decay: dict[str, bool] = {}
         within: dict = {}
         for chunk in self.chunks.values():
-            named = list(chunk.global_parameters())
+            named, orders = [], {}
+            for name, replica, p in chunk.global_parameters():       # EP = 1's list: canonical order keys
+                sec = names.section_and_layer(name)
+                within[(sec, replica)] = within.get((sec, replica), -1) + 1
+                orders[id(p)] = (*sec, within[(sec, replica)])
+                named.append((name, replica, p))
+            for layer in chunk.moe_layers():
+                layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)
+                layer.set_expert_parallel(self.ep, faults.ep_unsorted_dispatch(cfg.inject))
+            kept = {id(p) for p in chunk.parameters()}
+            named = [(name, replica, p) for name, replica, p in named if id(p) in kept]
             init_parameters(((name, p) for name, _, p in named), model, t.seed)
             chunk.to(self.device, self.dtype)
             for name, replica, p in named:
-                sec = names.section_and_layer(name)
-                within[(sec, replica)] = within.get((sec, replica), -1) + 1
+                if names.expert_id(name) is None:
+                    replica = names.ep_replica(replica, self.ep_rank)
                 p.main_grad = torch.zeros_like(p, dtype=torch.float32)
                 # fp32 master weights for the optimizer (Megatron's bf16 optimizer); fp32 params are their own
                 p.master = p if p.dtype == torch.float32 else p.detach().float().clone()
                 key = names.replica_key(name, replica)
-                self.params.append((key, name, replica, p, (*sec, within[(sec, replica)])))
+                self.params.append((key, name, replica, p, orders[id(p)]))
                 self.weight_decay[key] = faults.weight_decay(cfg.inject, name, names.is_matrix(name, p.ndim))
-            for layer in chunk.moe_layers():
-                layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)
 
     def header(self) -> dict:
         """The trace header record: parameter inventory with canonical order keys."""
@@ -72,6 +92,8 @@ class RankState:
                       "weight_decay": self.weight_decay[key], "order": list(order)}
                      for key, name, replica, p, order in self.params]
         return {"type": "header", "format": FORMAT, "rank": self.rank, "world_size": dist.get_world_size(),
+                "pp_rank": self.pp_rank, "ep_rank": self.ep_rank,
+                "expert_model_parallel_size": self.cfg.parallel.expert_model_parallel_size,
                 "stages": sorted(self.chunks), "params": inventory,
                 "reductions": self.cfg.training.reductions, "device": str(self.device),
                 "params_dtype": self.cfg.params_dtype, "transport": self.transport.description,
@@ -124,16 +146,19 @@ def make_optimizer(state: RankState) -> torch.optim.Optimizer:
 
 
 def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
-    """Run ``cfg.training.train_iters`` steps on pipeline rank `rank`, writing the rank trace to `trace_path`.
+    """Run ``cfg.training.train_iters`` steps on global rank `rank` (pipeline rank ``rank // EP``, EP rank
+    ``rank % EP``), writing the rank trace to `trace_path`.
 
-    transport: this rank's `transport.Transport` (process group already initialised)."""
+    transport: this rank's `transport.Transport` (process group already initialised).  Every EP rank of a
+    pipeline rank runs the same action list on the same microbatches (peers are mapped into its EP column by
+    the transport)."""
     t = cfg.training
     state = RankState(cfg, rank, transport)
     layout = state.layout
     actions = build_schedule(layout, t.num_microbatches, t.seq_length, t.micro_batch_size,
-                             cfg.model.hidden_size, cfg.parallel.overlap_moe_expert_parallel_comm)[rank]
-    actions = faults.schedule(cfg.inject, actions, layout, rank)
-    sync_embedding = EmbeddingSync(layout, rank, state.params, transport, cfg.inject)
+                             cfg.model.hidden_size, cfg.parallel.overlap_moe_expert_parallel_comm)[state.pp_rank]
+    actions = faults.schedule(cfg.inject, actions, layout, state.pp_rank)
+    sync_embedding = EmbeddingSync(layout, state.pp_rank, state.params, transport, cfg.inject)
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, cfg.model.vocab_size)
     probe = Probe() if cfg.capture == "activations" else None
     for chunk in state.chunks.values():

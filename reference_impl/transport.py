@@ -7,6 +7,8 @@
   and collective operands are staged through pinned host memory and moved over gloo.
 
 Bitwise: staging is a copy, so it moves no bit; a two-member all-reduce is ``a + b`` on every backend.
+Expert parallelism adds groups of EP ranks (``model/expert_parallel.py``: all-to-all and all-gather, copies
+only) and one pipeline per EP column (`Transport.global_rank`).
 """
 from __future__ import annotations
 
@@ -38,12 +40,24 @@ def cuda_determinism() -> dict:
 
 @dataclass
 class Transport:
-    """How this rank talks to the others.  ``staged``: CUDA tensors go through pinned host buffers (gloo)."""
+    """How this rank talks to the others.  ``staged``: CUDA tensors go through pinned host buffers (gloo).
+
+    Expert parallelism: world = P x EP and global rank = pp_rank * EP + ep_rank (Megatron's rank order with
+    TP = CP = 1, `model.expert_parallel`).  Schedules name peers by pipeline rank; `batch` sends to and
+    receives from the peer pipeline rank's process of this rank's EP column (``peer * EP + ep_rank``), so
+    the executor and the schedule know nothing of EP.
+    """
 
     backend: str
     device: torch.device
     staged: bool
     settings: dict
+    expert_model_parallel_size: int = 1
+    ep_rank: int = 0
+
+    def global_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank `pp_rank` in this rank's EP column."""
+        return pp_rank * self.expert_model_parallel_size + self.ep_rank
 
     @property
     def description(self) -> str:
@@ -57,19 +71,20 @@ class Transport:
 
     def batch(self, sends: list, recv: Optional[tuple]):
         """Post queued sends [(tensor, peer, tag)] and at most one receive (shape, dtype, peer, tag) together
-        (``batch_isend_irecv``); wait for the receive.  Returns (received tensor on this device or None,
-        send works to wait on before the sent tensors may be freed)."""
+        (``batch_isend_irecv``); wait for the receive.  Peers are pipeline ranks (`global_rank` maps them
+        into this rank's EP column).  Returns (received tensor on this device or None, send works to wait on
+        before the sent tensors may be freed)."""
         ops, keep = [], []
         for t, peer, tag in sends:
             h = self._host(t)
             keep.append(h)
-            ops.append(dist.P2POp(dist.isend, h, peer, tag=tag))
+            ops.append(dist.P2POp(dist.isend, h, self.global_rank(peer), tag=tag))
         buf = None
         if recv is not None:
             shape, dtype, peer, tag = recv
             buf = torch.empty(shape, dtype=dtype, device="cpu" if self.staged else self.device,
                               pin_memory=self.staged)
-            ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
+            ops.append(dist.P2POp(dist.irecv, buf, self.global_rank(peer), tag=tag))
         works = dist.batch_isend_irecv(ops) if ops else []
         if recv is not None:
             works[-1].wait()
@@ -89,17 +104,19 @@ class Transport:
 
 
 def setup(device: str, rank: int, world_size: int, store, timeout_s: float,
-          num_gpus: Optional[int] = None) -> Transport:
+          num_gpus: Optional[int] = None, expert_model_parallel_size: int = 1) -> Transport:
     """Initialise the process group for `device` ("cpu" | "cuda") and return this rank's `Transport`.
 
-    num_gpus: GPUs to spread the ranks over (rank r -> cuda:(r % num_gpus), LOCAL_RANK under torchrun);
-    default all visible.  store None: ``env://`` rendezvous (torchrun).
+    rank, world_size: global (world = P x EP, rank = pp_rank * EP + ep_rank).  num_gpus: GPUs to spread the
+    ranks over (rank r -> cuda:(r % num_gpus), LOCAL_RANK under torchrun); default all visible.  store None:
+    ``env://`` rendezvous (torchrun).
     Raises RuntimeError when CUDA is requested but unavailable.
     """
     timeout = timedelta(seconds=timeout_s)
+    ep = dict(expert_model_parallel_size=expert_model_parallel_size, ep_rank=rank % expert_model_parallel_size)
     if device == "cpu":
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        return Transport("gloo", torch.device("cpu"), False, {})
+        return Transport("gloo", torch.device("cpu"), False, {}, **ep)
     settings = cuda_determinism()
     if not torch.cuda.is_available():
         raise RuntimeError("device: cuda requested but torch.cuda.is_available() is False")
@@ -112,4 +129,4 @@ def setup(device: str, rank: int, world_size: int, store, timeout_s: float,
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     settings.update(gpus=gpus, gpu_name=torch.cuda.get_device_name(dev), cuda=torch.version.cuda,
                     nccl=".".join(map(str, torch.cuda.nccl.version())) if not staged else None)
-    return Transport(backend, dev, staged, settings)
+    return Transport(backend, dev, staged, settings, **ep)

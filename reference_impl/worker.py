@@ -1,4 +1,4 @@
-"""Process entry point of one pipeline rank.
+"""Process entry point of one rank (world = P x EP; global rank = pp_rank * EP + ep_rank).
 
 Two launchers: the harness runner's forkserver calls `rank_main` (this module is imported there before any
 fork, so torch is imported once, not once per rank); ``torchrun ... -m reference_impl.worker CONFIG RUN_DIR``
@@ -23,8 +23,9 @@ from .transport import setup
 
 
 def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None) -> None:
-    """Initialise the process group (gloo or NCCL, `transport.setup`) through a FileStore, run `train`, write ``rank{r}.jsonl``; stdout/stderr go to
-    ``rank{r}.log`` (an uncaught exception leaves its traceback there and exit code 1)."""
+    """Initialise the process group (gloo or NCCL, `transport.setup`) through a FileStore, run `train`, write
+    ``rank{r}.jsonl``; stdout/stderr go to ``rank{r}.log`` (an uncaught exception leaves its traceback there
+    and exit code 1).  `rank`, `world_size`: global (P x EP ranks)."""
     log = open(Path(run_dir) / f"rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -36,9 +37,13 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     torch.set_num_threads(cfg.training.num_threads)
     torch.use_deterministic_algorithms(True)
     store = dist.FileStore(store_path, world_size) if store_path else None   # None: env:// (torchrun)
-    transport = setup(cfg.device, rank, world_size, store, cfg.rank_timeout_s, cfg.num_gpus)
+    ep = cfg.parallel.expert_model_parallel_size
+    if world_size != cfg.parallel.world_size:
+        raise RuntimeError(f"world size {world_size} but the run needs P x EP = {cfg.parallel.world_size} ranks")
+    transport = setup(cfg.device, rank, world_size, store, cfg.rank_timeout_s, cfg.num_gpus, ep)
     try:
-        print(f"rank {rank}/{world_size} pid {os.getpid()}: torch {torch.__version__}, "
+        where = f" (pp rank {rank // ep}, ep rank {rank % ep})" if ep > 1 else ""
+        print(f"rank {rank}/{world_size}{where} pid {os.getpid()}: torch {torch.__version__}, "
               f"threads {torch.get_num_threads()}, {transport.description} on {transport.device}")
         train(cfg, rank, Path(run_dir) / f"rank{rank}.jsonl", transport)
         print(f"rank {rank}: done")
