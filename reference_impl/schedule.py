@@ -195,6 +195,9 @@ def simulate(lists: list[list[Action]]) -> int:
                     if sent.pop(key) != a.shape:
                         raise ScheduleError(f"{where}: shape mismatch with the sender's {key}")
                 else:
+                    if a.op == "FB" and (a.stage, a.microbatch) == (a.b_stage, a.b_microbatch):
+                        raise ScheduleError(f"{where}: a merged pair cannot hold the forward and the backward of "
+                                            f"one chunk and microbatch")
                     for op, stage, mb in a.parts():
                         expected = next_mb.get((op, stage), 0)
                         if mb != expected:
