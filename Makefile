@@ -30,6 +30,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_fuzz.py
+	$(BIN)/python bench/bench_overlap.py
 	$(BIN)/python bench/bench_verify.py $(ARGS)
 
 # the long hypothesis profile for the layout properties, then random layouts against CASE's baseline
