@@ -180,10 +180,9 @@ def run_combined(f: Optional[ChunkPlan], b: Optional[ChunkPlan], grad_output: Op
         b.backward_node(len(b.nodes) - 1, grad_output)     # post: loss (and MTP loss) or the sent activation
     nf = f.num_layers if f is not None else 0
     nb = b.num_layers if b is not None else 0
-    for k in range(max(nf, nb)):
-        # pairs (f k, b nb-1-k); then b-only layers, then f-only layers (Megatron's leftover order)
-        if k < min(nf, nb):
-            run_layer(f, k, b, nb - 1 - k)
+    # pairs (f k, b nb-1-k); then the b-only layers, then the f-only layers (Megatron's leftover order)
+    for k in range(min(nf, nb)):
+        run_layer(f, k, b, nb - 1 - k)
     for k in range(min(nf, nb), nb):
         run_layer(None, None, b, nb - 1 - k)
     for k in range(min(nf, nb), nf):
