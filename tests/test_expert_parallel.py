@@ -1,0 +1,327 @@
+"""Expert parallelism (reference_impl/model/expert_parallel.py): EP = 1 and EP > 1 are bitwise equal.
+
+* unit: the dispatch plan gives every expert exactly EP = 1's rows in EP = 1's order; names and replica tags;
+* two gloo processes: TakeShard / AllToAll / GatherShards are exact (uneven and zero splits), and an MoE layer
+  split over EP = 2 reproduces the EP = 1 layer bit for bit (output, input gradient, every gradient it
+  holds, token counts), fp32 and bf16;
+* end to end (one case, run once): EP = 2 / 4 vs EP = 1 on P = 1, P = 2 and P = 2 V = 2 layouts, with the
+  1F1B overlap, megatron reductions without clipping and canonical reductions with clipping; a resume from an
+  EP = 1 checkpoint; megatron reductions with clipping diverge at the grad norm (the per-rank partial sums
+  move); the planted fault ``ep_unsorted_dispatch`` is caught at the first expert weight gradient; EP
+  replicas whose records differ fail the trace merge; bad EP sizes are one-line usage errors.
+"""
+import json
+import multiprocessing as mp
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli
+from harness.trace import TraceError, merge
+from reference_impl import names
+from reference_impl.config import ModelConfig
+from reference_impl.init import init_parameters
+from reference_impl.model.expert_parallel import ExpertParallel, plan_dispatch, sort_chunks, unsort_chunks
+from reference_impl.model.moe import MoELayer
+from test_cli_errors import _check_usage_error
+
+CFG = dict(hidden_size=32, num_moe_experts=8, moe_router_topk=2, moe_router_num_groups=4, moe_router_group_topk=2)
+
+
+# --- unit: the dispatch plan ---------------------------------------------------------------------------------
+
+def _routing(t, e, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+
+
+def _ep1_rows(index, e):
+    """Token ids each expert receives with EP = 1 (stable sort of the (token, k) rows by expert)."""
+    t, k = index.shape
+    order = torch.argsort(index.reshape(-1), stable=True)
+    tokens = torch.arange(t).repeat_interleave(k)[order]
+    return list(tokens.split(torch.bincount(index.reshape(-1), minlength=e).tolist()))
+
+
+@pytest.mark.parametrize("ep_size", [2, 4, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_expert_gets_ep1_rows_in_ep1_order(ep_size, seed):
+    e, k, t = 8, 2, 32
+    index = _routing(t, e, k, seed)
+    index[:4] = torch.tensor([0, 1])            # some experts take rows from several sources, one maybe none
+    n = t // ep_size
+    eps = [ExpertParallel(ep_size, r) for r in range(ep_size)]
+    plans = [plan_dispatch(index, e, ep) for ep in eps]
+    assert all(torch.equal(p.counts, plans[0].counts) for p in plans)        # identical on every EP rank
+    # what each source sends: its shard's (token, k) rows sorted by expert, as token ids
+    sent = [torch.arange(r * n, (r + 1) * n).repeat_interleave(k)[plans[r].order].float().unsqueeze(1)
+            for r in range(ep_size)]
+    for r, plan in enumerate(plans):
+        assert sum(plan.in_splits) == n * k
+        # the all-to-all: from every source its rows for rank r's experts, in source order
+        received = torch.cat([s.split(plans[src].in_splits)[r] for src, s in enumerate(sent)])
+        assert received.shape[0] == sum(plan.out_splits)
+        inputs = sort_chunks(received, plan)
+        expected = _ep1_rows(index, e)[r * (e // ep_size):(r + 1) * (e // ep_size)]
+        assert [x.squeeze(1).long().tolist() for x in inputs] == [x.tolist() for x in expected]
+        assert all(x.is_contiguous() for x in inputs)
+        assert torch.equal(unsort_chunks(inputs, plan), received)             # unsort inverts sort
+
+
+def test_planted_unsorted_dispatch_reorders_rows_only_with_ep():
+    index = _routing(16, 8, 2, 3)
+    plan = plan_dispatch(index, 8, ExpertParallel(2, 0), shuffle_sources=True)
+    x = torch.arange(sum(plan.out_splits), dtype=torch.float32).unsqueeze(1)
+    inputs = sort_chunks(x, plan)
+    assert torch.equal(unsort_chunks(inputs, plan), x)                          # rows still go home
+    good = sort_chunks(x, plan_dispatch(index, 8, ExpertParallel(2, 0)))
+    assert [a.tolist() for a in inputs] != [b.tolist() for b in good]          # but experts see another order
+    assert not plan_dispatch(index, 8, None, shuffle_sources=True).shuffle_sources
+
+
+def test_local_experts_and_layer_keeps_global_names():
+    assert ExpertParallel(4, 2).local_experts(8) == range(4, 6)
+    with pytest.raises(ValueError):
+        ExpertParallel(3, 0).local_experts(8)
+    cfg = ModelConfig(**CFG)
+    layer = MoELayer(cfg)
+    layer.set_expert_parallel(ExpertParallel(2, 1))
+    assert sorted(layer.experts) == ["4", "5", "6", "7"]
+    assert "experts.5.linear_fc1.weight" in dict(layer.named_parameters())
+    assert sorted(MoELayer(cfg, ExpertParallel(4, 0)).experts) == ["0", "1"]
+
+
+def test_names_of_ep_replicas():
+    assert names.expert_id("decoder.layers.3.mlp.experts.5.linear_fc2.weight") == 5
+    assert names.expert_id("mtp.layers.0.transformer_layer.mlp.experts.7.linear_fc1.weight") == 7
+    assert names.expert_id("decoder.layers.3.mlp.shared_experts.linear_fc1.weight") is None
+    assert [names.ep_replica(r, e) for r, e in ((None, 0), ("mtp", 0), (None, 1), ("mtp", 3))] == \
+        [None, "mtp", "ep1", "mtp.ep3"]
+    assert [names.base_replica(r) for r in (None, "mtp", "ep1", "mtp.ep3")] == [None, "mtp", None, "mtp"]
+
+
+# --- two gloo processes --------------------------------------------------------------------------------------
+
+def _moe(cfg, dtype, ep=None):
+    layer = MoELayer(cfg)
+    init_parameters(layer, cfg, 3)
+    layer.set_expert_parallel(ep)
+    return layer.to(dtype)
+
+
+def _worker(rank, world, store_path, out_path):
+    """Runs in a spawned process: the collectives, then the EP = 2 MoE layer against EP = 1."""
+    import torch.distributed as dist
+    from reference_impl.model.expert_parallel import AllToAll, GatherShards, TakeShard
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    ep = ExpertParallel.build(1, world, rank)
+    res = {}
+    # TakeShard / GatherShards: forward slices / concatenates, backward the exact transposes
+    x = torch.arange(24, dtype=torch.float32).view(8, 3).requires_grad_()
+    shard = TakeShard.apply(x, ep)
+    res["take"] = torch.equal(shard, x.detach()[rank * 4:(rank + 1) * 4])
+    full = GatherShards.apply(shard * (rank + 1), ep)
+    res["gather"] = torch.equal(full, torch.cat([x.detach()[:4], 2 * x.detach()[4:]]))
+    g = torch.linspace(-1, 1, 24).view(8, 3)
+    full.backward(g)
+    res["take_gather_grad"] = torch.equal(x.grad, torch.cat([g[:4], 2 * g[4:]]))
+    # AllToAll with uneven and zero splits: rank 0 sends 3 rows to 0, 0 to 1; rank 1 sends 1 to 0, 2 to 1
+    in_splits = [[3, 0], [1, 2]][rank]
+    out_splits = [[3, 1], [0, 2]][rank]
+    y = (torch.arange(sum(in_splits) * 2, dtype=torch.float32).view(-1, 2) + 100 * rank).requires_grad_()
+    z = AllToAll.apply(y, out_splits, in_splits, ep)
+    rows0, rows1 = torch.arange(6.).view(3, 2), torch.arange(6.).view(3, 2) + 100
+    res["a2a"] = torch.equal(z, [torch.cat([rows0, rows1[:1]]), rows1[1:]][rank])
+    (z * (torch.arange(z.numel(), dtype=torch.float32).view_as(z) + 1)).sum().backward()
+    expect = {0: torch.tensor([[1., 2], [3, 4], [5, 6]]), 1: torch.tensor([[7., 8], [1, 2], [3, 4]])}[rank]
+    res["a2a_grad"] = torch.equal(y.grad, expect)
+    # the MoE layer: EP = 2 against EP = 1, same input and output gradient on both ranks
+    cfg = ModelConfig(**CFG, moe_aux_loss_coeff=1e-2)
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(7)
+        x0 = torch.randn(16, 2, cfg.hidden_size, generator=gen).to(dtype)
+        gy = torch.randn(16, 2, cfg.hidden_size, generator=gen).to(dtype)
+        ref, mine = _moe(cfg, dtype), _moe(cfg, dtype, ep)
+        xr, xm = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+        yr, ym = ref(xr), mine(xm)
+        yr.backward(gy)
+        ym.backward(gy)
+        rp = dict(ref.named_parameters())
+        tag = str(dtype).replace("torch.", "")
+        res[f"{tag}_out"] = torch.equal(yr, ym)
+        res[f"{tag}_xgrad"] = torch.equal(xr.grad, xm.grad)
+        res[f"{tag}_grads"] = [n for n, p in mine.named_parameters() if not torch.equal(p.grad, rp[n].grad)]
+        res[f"{tag}_experts"] = sorted(mine.experts, key=int)
+        res[f"{tag}_counts"] = torch.equal(ref.router.tokens_per_expert, mine.router.tokens_per_expert)
+    dist.destroy_process_group()
+    Path(out_path).write_text(json.dumps(res))
+
+
+def test_collectives_and_moe_layer_on_two_processes(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp_path / "store"), str(tmp_path / f"r{r}.json")))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for r in range(2):
+        res = json.loads((tmp_path / f"r{r}.json").read_text())
+        for key in ("take", "gather", "take_gather_grad", "a2a", "a2a_grad"):
+            assert res[key] is True, (r, key)
+        for dtype in ("float32", "bfloat16"):
+            assert res[f"{dtype}_experts"] == [str(e) for e in range(4 * r, 4 * r + 4)]
+            assert res[f"{dtype}_out"] and res[f"{dtype}_xgrad"] and res[f"{dtype}_counts"], (r, dtype, res)
+            assert res[f"{dtype}_grads"] == [], (r, dtype)
+
+
+# --- end to end ------------------------------------------------------------------------------------------------
+
+P2 = 'pipeline_model_parallel_layout: "Ett|ttmL", pipeline_model_parallel_size: 2'
+P2V2 = 'pipeline_model_parallel_layout: "Et|tt|t|mL", pipeline_model_parallel_size: 2'
+P1 = 'pipeline_model_parallel_layout: "Et*4mL", pipeline_model_parallel_size: 1'
+CCLIP = "options: {reductions: canonical, clip_grad: 0.05}"
+CASE = textwrap.dedent(f"""\
+    name: ep
+    timeout_s: 120
+    model: {{num_layers: 4, moe_layer_freq: "[0]*1+[1]*3"}}
+    training: {{train_iters: 2, seq_length: 16, num_microbatches: 4}}
+    baseline: {{name: p2, {P2}}}
+    variants:
+      # megatron reductions, clipping off
+      - {{name: p2-ep2, {P2}, expert_model_parallel_size: 2}}
+      - {{name: p2v2-ep4, {P2V2}, expert_model_parallel_size: 4}}
+      - {{name: p2v2-ep2-overlap, {P2V2}, expert_model_parallel_size: 2, overlap_moe_expert_parallel_comm: true,
+         delay_wgrad_compute: true}}
+      - {{name: p1, {P1}, expect: diverge, first_divergence: {{step: 0, kind: grad,
+                                                               name: embedding.word_embeddings.weight}}}}
+      - {{name: p1-ep2, {P1}, expert_model_parallel_size: 2, compare_to: p1}}
+      - {{name: resume-ep2, {P2V2}, expert_model_parallel_size: 2, resume: {{variant: p2, after_step: 0}}}}
+      # megatron reductions, clipping on: the experts' partial norms move to other ranks
+      - {{name: clip/p2, {P2}, options: {{clip_grad: 0.05}}, expect: diverge, first_divergence: {{step: 0, kind: param}}}}
+      - {{name: clip/p2-ep2, {P2}, expert_model_parallel_size: 2, options: {{clip_grad: 0.05}}, compare_to: clip/p2,
+         expect: diverge, first_divergence: {{kind: grad_norm}}}}
+      # canonical reductions, clipping on: EP- and layout-invariant
+      - {{name: cclip/p2, {P2}, {CCLIP}, expect: diverge, first_divergence: {{step: 0, kind: param}}}}
+      - {{name: cclip/p2-ep2, {P2}, expert_model_parallel_size: 2, {CCLIP}, compare_to: cclip/p2}}
+      - {{name: cclip/p1-ep2, {P1}, expert_model_parallel_size: 2, {CCLIP}, compare_to: cclip/p2}}
+      # planted fault: fails with EP = 2, inactive with EP = 1
+      - {{name: unsorted, {P2}, expert_model_parallel_size: 2, inject: ep_unsorted_dispatch}}
+      - {{name: unsorted-ep1, {P2}, inject: ep_unsorted_dispatch}}
+    """)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep")
+    (out / "ep.yaml").write_text(CASE)
+    proc = run_cli("verify", out / "ep.yaml", "--out", out)
+    assert proc.returncode == 1, proc.stdout + proc.stderr       # the planted fault fails, nothing else
+    return out / "ep"
+
+
+def _verdicts(report):
+    return {v["name"]: v for v in json.loads((report / "summary.json").read_text())["variants"]}
+
+
+EQUAL = ["p2-ep2", "p2v2-ep4", "p2v2-ep2-overlap", "p1-ep2", "resume-ep2", "cclip/p2-ep2", "cclip/p1-ep2",
+         "unsorted-ep1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", EQUAL)
+def test_ep_is_bitwise_equal_to_ep1(report, variant):
+    v = _verdicts(report)[variant]
+    assert v["verdict"] == "pass" and v["bitwise_equal"] is True, v["reason"]
+
+
+@pytest.mark.slow
+def test_every_verdict_but_the_fault_passes(report):
+    bad = {n: v["reason"] for n, v in _verdicts(report).items() if v["verdict"] != "pass"}
+    assert list(bad) == ["unsorted"], bad
+
+
+@pytest.mark.slow
+def test_ep_trace_layout(report):
+    trace = json.loads((report / "runs" / "p2-ep2" / "trace.json").read_text())
+    assert trace["world_size"] == 4 and trace["expert_model_parallel_size"] == 2
+    params = trace["params"]
+    # global rank = pp_rank * EP + ep_rank; experts 0-3 on ep rank 0, 4-7 on ep rank 1, keyed by global id
+    assert params["decoder.layers.1.mlp.experts.3.linear_fc1.weight"]["rank"] == 0
+    assert params["decoder.layers.1.mlp.experts.4.linear_fc1.weight"]["rank"] == 1
+    assert params["decoder.layers.3.mlp.experts.7.linear_fc2.weight"]["rank"] == 3
+    assert params["decoder.layers.1.mlp.router.weight@ep1"]["rank"] == 1
+    assert "embedding.word_embeddings.weight@mtp.ep1" in params
+    assert not any("experts." in k and "shared" not in k and "@" in k for k in params)
+    # EP = 1's canonical order keys
+    base = json.loads((report / "runs" / "p2" / "trace.json").read_text())
+    assert all(params[k]["order"] == meta["order"] for k, meta in base["params"].items())
+    cmp = json.loads((report / "runs" / "p2-ep2" / "comparison.json").read_text())
+    assert cmp["replica_status"]["consistent"] is True
+    assert len(cmp["replica_status"]["replicas"]) > 50      # every non-expert parameter of ep rank 1
+
+
+@pytest.mark.slow
+def test_planted_unsorted_dispatch_is_caught_at_an_expert_weight_gradient(report):
+    v = _verdicts(report)["unsorted"]
+    fd = v["first_divergence"]
+    assert v["verdict"] == "fail"
+    # forward rows are computed independently, so losses stay equal; the weight gradient of the first
+    # expert (in canonical order) that receives rows from both EP sources sums them in another order
+    assert (fd["step"], fd["kind"]) == (0, "grad"), fd
+    assert fd["name"] == "decoder.layers.1.mlp.experts.0.linear_fc1.weight", fd
+
+
+@pytest.mark.slow
+def test_replica_ranks_must_agree_with_ep_rank_0(report, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(report / "runs" / "p2-ep2", run)
+    merge(run, 4)                                               # the real run merges
+    lines = (run / "rank3.jsonl").read_text().splitlines()      # pp rank 1, ep rank 1: the loss stage replica
+    step = json.loads(lines[2])
+    step["losses"][1]["lm"]["hex"] = "0x00000000"
+    lines[2] = json.dumps(step)
+    (run / "rank3.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceError, match=r"rank 3 \(pp rank 1, ep rank 1\): losses at step 0 differs"):
+        merge(run, 4)
+
+
+@pytest.mark.slow
+def test_activation_capture_with_ep(tmp_path):
+    case = tmp_path / "act.yaml"
+    case.write_text(textwrap.dedent(f"""\
+        name: act
+        capture: activations
+        model: {{num_layers: 4, moe_layer_freq: "[0]*1+[1]*3"}}
+        training: {{train_iters: 1, seq_length: 16, num_microbatches: 2}}
+        baseline: {{name: p2, {P2}}}
+        variants:
+          - {{name: p2-ep2, {P2}, expert_model_parallel_size: 2}}
+        """))
+    proc = run_cli("verify", case, "--out", tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trace = json.loads((tmp_path / "act" / "runs" / "p2-ep2" / "trace.json").read_text())
+    assert "0/decoder.layers.2.output" in trace["steps"][0]["activations"]
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ("expert_model_parallel_size: 3", "num_moe_experts=8 is not divisible by expert_model_parallel_size=3"),
+    ("expert_model_parallel_size: 4", "seq_length*micro_batch_size=6 is not divisible by expert_model_parallel_size=4"),
+])
+def test_bad_ep_size_is_one_line(tmp_path, cli, change, fragment):
+    case = tmp_path / "case.yaml"
+    case.write_text(textwrap.dedent(f"""\
+        name: t
+        model: {{num_layers: 4, moe_layer_freq: "[0]*1+[1]*3"}}
+        training: {{train_iters: 1, seq_length: 6, micro_batch_size: 1, num_microbatches: 4}}
+        baseline: {{name: base, {P2}}}
+        variants:
+          - {{name: v, {P2}, {change}}}
+        """))
+    out = tmp_path / "reports"
+    _check_usage_error(cli("verify", case, "--out", out), out, str(case), "variant 'v'", fragment)
