@@ -61,8 +61,8 @@ def inventory_diff(base: Trace, other: Trace) -> list[str]:
 
 
 def replica_status(trace: Trace) -> dict:
-    """Whether every replica of a logical parameter (``embedding.word_embeddings.weight@mtp``) matches its
-    original within one run: same shape/dtype/weight-decay group, same initial value, and after every step
+    """Whether every replica of a logical parameter (``embedding.word_embeddings.weight@mtp``; with expert
+    parallelism the ``@ep{r}`` copies of every non-expert parameter) matches its original within one run: same shape/dtype/weight-decay group, same initial value, and after every step
     the same gradient (after the replica sum) and the same value after the optimizer step.
 
     Returns ``{"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}``;

@@ -3,9 +3,11 @@
 Trace format ``bitparity-rank-trace/2`` (the contract between trainer and harness; see TRACE_FORMAT.md):
 one JSON object per line, each with ``"type"``:
 
-* ``header``: rank, world size, the flat stages this rank holds, and ``params``: a list of
+* ``header``: rank, world size (P x EP), pp rank, ep rank and EP size, the flat stages this rank holds, and
+  ``params``: a list of
   {key, name, replica, shape, dtype, family, weight_decay, order} where ``key`` is the global name (plus
-  ``@replica``) and ``order`` = [section, layer id, index within layer] gives the canonical order;
+  ``@replica``; with EP the non-expert parameters of ep rank r > 0 are replicas ``@ep{r}``) and ``order`` =
+  [section, layer id, index within layer] gives the canonical order;
 * ``init``: ``params``: {key: fingerprint} of the initial values;
 * ``step``: step index; ``grads`` / ``params`` / ``buffers``: {key: fingerprint} (grads after accumulation
   and replica sync, before clipping; params after the optimizer step; buffers such as the expert bias after

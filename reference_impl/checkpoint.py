@@ -4,7 +4,9 @@ One safetensors file per rank, ``ckpt_rank{r}.safetensors``: ``param/<key>`` (fp
 ``exp_avg/<key>``, ``exp_avg_sq/<key>``, ``step/<key>`` (AdamW state), ``buffer/<name>`` (router expert bias),
 metadata ``{"step": k}`` (the last completed step).  Loading reads every rank's file and takes the keys this
 rank holds; a replica missing from the checkpoint (saved by a layout without it) loads from its logical
-name — replicas are identical to their original after every step (the harness checks that).
+name — replicas are identical to their original after every step (the harness checks that).  So a run
+resumes under any EP size too: experts keep their global names whichever EP rank saved them, and the
+``@ep{r}`` copies of an EP > 1 run load from their originals when the checkpoint came from EP = 1.
 """
 from __future__ import annotations
 
