@@ -36,10 +36,10 @@ Numerics (the harness must report ``fail`` at the stated first divergence):
 * ``wrong_microbatch_activation``: at the boundary into the loss stage, the activations received for
   microbatches 1 and 2 are attached to each other's microbatch (each is scored against the other one's
   labels and mask).  -> step 0 loss ``lm``, microbatch 1.
-* ``overlap_skips_final_norm``: with the 1F1B overlap schedule on, the combine node of the last decoder
-  layer skips ``decoder.final_layernorm`` when the MTP layer sits in the same chunk (the node-split path
-  forgets the norm that the plain path applies; users report this shape of bug): the main head and the MTP
-  layer both get un-normed h.  Inactive without overlap.  -> step 0 loss ``lm``, microbatch 0.
+* ``overlap_skips_final_norm``: with the 1F1B overlap schedule on, the last node of the last decoder layer
+  skips ``decoder.final_layernorm`` (the node-split path forgets the norm that the plain path applies; users
+  report this shape of bug): the main head and the MTP layer both get un-normed h.  Inactive without
+  overlap.  -> step 0 loss ``lm``, microbatch 0.
 * ``ep_unsorted_dispatch``: with expert parallelism (EP > 1), each expert receives its tokens ordered by
   source EP rank in reverse (the last rank's shard first) instead of in ascending token order; the rows go
   back to the right tokens, so only the order inside each expert's GEMM moves (a dispatcher that forgets
@@ -122,9 +122,9 @@ def applies_final_norm(name, layout) -> bool:
     return not (name == "skip_final_norm_standalone" and layout.mtp_standalone)
 
 
-def overlap_skips_final_norm(name, overlap: bool, chunk_has_mtp: bool) -> bool:
-    """True under ``overlap_skips_final_norm`` on the overlapped path of a chunk that also holds the MTP."""
-    return name == "overlap_skips_final_norm" and overlap and chunk_has_mtp
+def overlap_skips_final_norm(name, overlap: bool) -> bool:
+    """True under ``overlap_skips_final_norm`` on the overlapped (node-by-node) path."""
+    return name == "overlap_skips_final_norm" and overlap
 
 
 def ep_unsorted_dispatch(name) -> bool:
