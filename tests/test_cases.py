@@ -8,7 +8,12 @@ from conftest import ROOT
 
 def test_dsv3_matrix_plan():
     plan = load_case(ROOT / "cases" / "dsv3.yaml")
-    assert len(plan.runs) == 20
+    par = [r.config.parallel for r in plan.runs]
+    plain = [p for p in par if not p.overlap_moe_expert_parallel_comm and p.expert_model_parallel_size == 1]
+    assert len(plain) == 20                     # 5 layouts x clipping off/on x megatron/canonical
+    overlap = {r.spec.name: r.config.parallel for r in plan.runs if r.spec.name.startswith("overlap/")}
+    assert len(overlap) == 4 and all(p.overlap_moe_expert_parallel_comm for p in overlap.values())
+    assert overlap["overlap/pp16-vpp2-mtp-standalone"].delay_wgrad_compute
     by = {r.spec.name: r for r in plan.runs}
     assert by["canonical-clip/pp1-no-pipelining"].config.training.reductions == "canonical"
     assert by["canonical-clip/pp1-no-pipelining"].config.training.clip_grad == 0.05
@@ -21,7 +26,8 @@ def test_gpu_case_extends_dsv3():
     base = plan.runs[0].config
     assert (plan.name, base.model.hidden_size, base.model.num_layers, base.training.seq_length) == \
         ("dsv3-gpu", 256, 61, 128)
-    assert base.params_dtype == "bfloat16" and len(plan.runs) == 20
+    assert base.params_dtype == "bfloat16"
+    assert [r.spec.name for r in plan.runs] == [r.spec.name for r in load_case(ROOT / "cases" / "dsv3.yaml").runs]
 
 
 def test_only_keeps_reference_runs():
