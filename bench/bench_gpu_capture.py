@@ -32,7 +32,7 @@ def step_times(cfg: RunConfig, tmp: Path, tag: str) -> list[float]:
     out = run_ranks(cfg, tmp / tag, timeout_s=900)
     if not out.ok:
         raise SystemExit(f"bench run {tag} failed: {out.error}")
-    trace = merge(tmp / tag, cfg.parallel.pipeline_model_parallel_size)
+    trace = merge(tmp / tag, cfg.parallel.world_size)
     return [max(st.time_s.values()) for st in trace.steps[1:]]        # step 0 warms up
 
 

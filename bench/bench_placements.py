@@ -29,7 +29,7 @@ def _run(cfg, run_dir: Path, launcher: str):
     out = run_ranks(cfg, run_dir, 900, launcher)
     if not out.ok:
         raise SystemExit(f"{run_dir.name} failed: {out.error}")
-    trace = merge(run_dir, cfg.parallel.pipeline_model_parallel_size)
+    trace = merge(run_dir, cfg.parallel.world_size)
     steps = [{k: v for k, v in vars(s).items() if k != "time_s"} for s in trace.steps]
     times = [max(s.time_s.values()) for s in trace.steps[1:]]
     return steps, statistics.median(times) if times else float("nan"), out.elapsed_s

@@ -161,6 +161,27 @@ class AllToAll(torch.autograd.Function):
         return AllToAll.apply(g, in_splits, out_splits, ctx.ep), None, None, None
 
 
+class RepeatRows(torch.autograd.Function):
+    """x [n, h] -> [n*k, h] with row ``i*k + j`` = x[i] (the (token, k) rows before the permutation; Megatron's
+    ``permute`` indexes the tokens by the routing map).  Backward: ``g[i*k] + g[i*k+1] + ...`` added left to
+    right in j order, the same bits for every n (``expand``'s backward is a sum whose order is up to the
+    reduction kernel, which may depend on the shape, and the shape is n = T/EP here)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: int):
+        ctx.k = k
+        return x.repeat_interleave(k, dim=0)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        k = ctx.k
+        rows = g.view(-1, k, g.shape[-1])
+        out = rows[:, 0].clone()
+        for j in range(1, k):
+            out = out + rows[:, j]
+        return out, None
+
+
 def take_shard(x: torch.Tensor, ep: Optional[ExpertParallel]) -> torch.Tensor:
     """`TakeShard`, or `x` itself when EP = 1."""
     return x if _size(ep) == 1 else TakeShard.apply(x, ep)

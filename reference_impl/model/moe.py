@@ -15,8 +15,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from .common import LossAutoScaler, SwiGLUMLP, fanout
-from .expert_parallel import (ExpertParallel, all_to_all, gather_shards, plan_dispatch, sort_chunks, take_shard,
-                              unsort_chunks)
+from .expert_parallel import (ExpertParallel, RepeatRows, all_to_all, gather_shards, plan_dispatch, sort_chunks,
+                              take_shard, unsort_chunks)
 
 
 def _topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,9 +152,8 @@ class MoELayer(nn.Module):
             probs = self.router.probs(scores, index)
         plan = plan_dispatch(index, self.cfg.num_moe_experts, self.ep, self.unsorted_dispatch)
         tokens = take_shard(to_permute, self.ep)                       # [n, h]
-        n = tokens.shape[0]
         st["moe.shared"] = self.shared_experts(to_shared)
-        st["moe.permuted"] = tokens.unsqueeze(1).expand(n, k, h).reshape(n * k, h).index_select(0, plan.order)
+        st["moe.permuted"] = RepeatRows.apply(tokens, k).index_select(0, plan.order)
         st["moe.probs"] = take_shard(probs, self.ep)
         st["moe.meta"] = (s, b, plan)
 
