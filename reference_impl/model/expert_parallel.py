@@ -19,10 +19,11 @@ are bitwise equal by construction:
   no all-reduce (Megatron sums the counts over TP x DP x CP in ``finalize_model_grads``; here that sum would
   count every token EP times);
 * each EP rank dispatches a contiguous shard of the microbatch's tokens (``TakeShard``: rank r takes
-  tokens ``[r*T/EP, (r+1)*T/EP)``), sorted by expert (stable, so ascending token order per expert); after the
-  all-to-all an expert receives source 0's rows, then source 1's, ... (``sort_chunks``) = exactly the rows,
-  in the order, of EP = 1, in one fresh contiguous tensor: the same GEMM operands, the same bits, forward
-  and backward (the weight gradient sums the same rows in the same order);
+  tokens ``[r*T/EP, (r+1)*T/EP)``; ``RepeatRows`` makes its K (token, k) rows, with a fixed-order backward
+  sum), sorted by expert (stable, so ascending token order per expert); after the all-to-all an expert
+  receives source 0's rows, then source 1's, ... (``sort_chunks``) = exactly the rows, in the order, of
+  EP = 1, in one fresh contiguous tensor: the same GEMM operands, the same bits, forward and backward (the
+  weight gradient sums the same rows in the same order);
 * combine returns each row to its source (the reverse all-to-all), weights it by the top-k probs in a fixed
   order, and ``GatherShards`` all-gathers the shards so every EP rank again holds the whole [T, h] output.
 
@@ -207,7 +208,8 @@ class DispatchPlan:
     ``counts`` [EP, E] int64: rows of source shard i routed to expert e (computed from the full routing, so
     every EP rank holds the same matrix: Megatron all-gathers it); ``in_splits``: rows this rank sends to each
     EP rank (its experts' share of ``counts[rank]``); ``out_splits``: rows this rank receives from each EP
-    rank; ``local_counts`` [EP][E/EP]: rows from source i for local expert j (``num_global_tokens_per_local_expert``).
+    rank; ``local_counts`` [EP][E/EP]: rows from source i for local expert j (``num_global_tokens_per_local_expert``);
+    ``shuffle_sources``: the planted fault ``ep_unsorted_dispatch`` (only ever True with EP > 1).
     """
 
     order: torch.Tensor
