@@ -10,8 +10,8 @@
     the norm (and, when clipping triggers, every parameter) differs in the last bits between layouts.
     With expert parallelism each logical parameter is still counted once (the routed experts are disjoint
     over the EP ranks; the replicated rest counts on EP rank 0 only, its ``ep{r}`` copies are replicas),
-    but the experts' partial sums move to other ranks, so the norm is not EP-invariant either (as in
-    Megatron, whose expert norms are reduced over the expert-parallel group).
+    but the experts' partial sums move to other ranks, so the norm is not EP-invariant either (in Megatron,
+    too, the per-rank partial norms depend on which EP rank holds which experts).
 
 ``canonical`` gives results independent of the layout by construction:
   * word-embedding gradient: the MTP lookups always accumulate into their own replica, also on P=1 (the
