@@ -133,6 +133,8 @@ class ChunkPlan:
         return None if self.x is None else self.x.grad
 
     def layer_node(self, i: Optional[int], slot: str) -> Optional[int]:
+        """Position of layer i's `slot` node, or None when that layer has no such node (dense layers have
+        no dispatch / combine, decoder layers no mtp_post) or i is None."""
         return None if i is None else self.index.get((i, slot))
 
 
