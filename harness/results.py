@@ -93,6 +93,7 @@ class VariantResult:
     # this run's own replicas vs their originals (`harness.compare.replica_status`):
     # {"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}; {} on error
     replica_status: dict = field(default_factory=dict)
+    expert_model_parallel_size: int = 1           # EP (the run has pp x EP ranks)
 
 
 @dataclass

@@ -263,6 +263,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
                 evidence_error = str(e)
         variants.append(VariantResult(
             name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
+            expert_model_parallel_size=run.config.parallel.expert_model_parallel_size,
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
             expect=run.spec.expect, verdict=verdict, bitwise_equal=cmp.bitwise_equal if cmp else None,
             first_divergence=cmp.first_divergence if cmp else None, reason=reason, error=error,

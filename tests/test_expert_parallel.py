@@ -5,8 +5,8 @@
   split over EP = 2 reproduces the EP = 1 layer bit for bit (output, input gradient, every gradient it
   holds, token counts), fp32 and bf16;
 * end to end (one case, run once): EP = 2 / 4 vs EP = 1 on P = 1, P = 2 and P = 2 V = 2 layouts, with the
-  1F1B overlap, megatron reductions without clipping and canonical reductions with clipping; a resume from an
-  EP = 1 checkpoint; megatron reductions with clipping diverge at the grad norm (the per-rank partial sums
+  1F1B overlap, megatron reductions without clipping and canonical reductions with clipping; resumes from an
+  EP = 1 checkpoint under EP = 2 and back; megatron reductions with clipping diverge at the grad norm (the per-rank partial sums
   move); the planted fault ``ep_unsorted_dispatch`` is caught at the first expert weight gradient; EP
   replicas whose records differ fail the trace merge; bad EP sizes are one-line usage errors.
 """
@@ -202,6 +202,7 @@ CASE = textwrap.dedent(f"""\
                                                                name: embedding.word_embeddings.weight}}}}
       - {{name: p1-ep2, {P1}, expert_model_parallel_size: 2, compare_to: p1}}
       - {{name: resume-ep2, {P2V2}, expert_model_parallel_size: 2, resume: {{variant: p2, after_step: 0}}}}
+      - {{name: resume-from-ep2, {P2V2}, resume: {{variant: p2-ep2, after_step: 0}}}}
       # megatron reductions, clipping on: the experts' partial norms move to other ranks
       - {{name: clip/p2, {P2}, options: {{clip_grad: 0.05}}, expect: diverge, first_divergence: {{step: 0, kind: param}}}}
       - {{name: clip/p2-ep2, {P2}, expert_model_parallel_size: 2, options: {{clip_grad: 0.05}}, compare_to: clip/p2,
@@ -229,8 +230,8 @@ def _verdicts(report):
     return {v["name"]: v for v in json.loads((report / "summary.json").read_text())["variants"]}
 
 
-EQUAL = ["p2-ep2", "p2v2-ep4", "p2v2-ep2-overlap", "p1-ep2", "resume-ep2", "cclip/p2-ep2", "cclip/p1-ep2",
-         "unsorted-ep1"]
+EQUAL = ["p2-ep2", "p2v2-ep4", "p2v2-ep2-overlap", "p1-ep2", "resume-ep2", "resume-from-ep2", "cclip/p2-ep2",
+         "cclip/p1-ep2", "unsorted-ep1"]
 
 
 @pytest.mark.slow
