@@ -182,7 +182,8 @@ def _variant_failure_text(v: VariantResult, baseline: str) -> str:
         if keys:
             lines.append(f"  replicas: {', '.join(keys)}")
     lines.append(_expectation_words(v, baseline))
-    lines.append(f"layout: {v.layout} (pp={v.pp}, vpp={v.vpp}, mtp_standalone={v.mtp_standalone})")
+    lines.append(f"layout: {v.layout} (pp={v.pp}, vpp={v.vpp}, ep={v.expert_model_parallel_size}, "
+                 f"schedule={v.schedule}, mtp_standalone={v.mtp_standalone})")
     lines.append(f"reductions: {v.reductions} · clip_grad: {clip_words(v.clip_grad)} · "
                  f"compared with: {reference_of(v, baseline)}")
     if v.run_dir:
@@ -215,7 +216,8 @@ def summary_dict(result: CaseResult) -> dict:
     Schema::
 
         {"case": str, "baseline": str, "elapsed_s": float,
-         "variants": [{"name": str, "layout": str, "pp": int, "vpp": int, "mtp_standalone": bool,
+         "variants": [{"name": str, "layout": str, "pp": int, "vpp": int, "ep": int, "schedule": str,
+                       "mtp_standalone": bool,
                        "expect": "bitwise"|"diverge", "verdict": "pass"|"fail"|"error",
                        "bitwise_equal": bool|None,
                        "first_divergence": None | {"step": int,
@@ -259,6 +261,8 @@ def summary_dict(result: CaseResult) -> dict:
             "layout": str(v.layout),
             "pp": int(v.pp),
             "vpp": int(v.vpp),
+            "ep": int(v.expert_model_parallel_size),
+            "schedule": v.schedule,
             "mtp_standalone": bool(v.mtp_standalone),
             "expect": str(v.expect),
             "verdict": str(v.verdict),

@@ -94,6 +94,16 @@ class VariantResult:
     # {"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}; {} on error
     replica_status: dict = field(default_factory=dict)
     expert_model_parallel_size: int = 1           # EP (the run has pp x EP ranks)
+    overlap: bool = False                         # overlap_moe_expert_parallel_comm (Megatron's 1F1B overlap)
+    delay_wgrad: bool = False                     # delay_wgrad_compute
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's name: no pipelining, 1F1B or interleaved, + "overlap" (and delayed wgrad)."""
+        name = "no pipelining" if self.pp == 1 else ("1F1B" if self.vpp == 1 else "interleaved")
+        if self.overlap:
+            name += " · overlap" + (" + delayed wgrad" if self.delay_wgrad else "")
+        return name
 
 
 @dataclass

@@ -264,6 +264,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         variants.append(VariantResult(
             name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
             expert_model_parallel_size=run.config.parallel.expert_model_parallel_size,
+            overlap=run.config.parallel.overlap_moe_expert_parallel_comm,
+            delay_wgrad=run.config.parallel.delay_wgrad_compute,
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
             expect=run.spec.expect, verdict=verdict, bitwise_equal=cmp.bitwise_equal if cmp else None,
             first_divergence=cmp.first_divergence if cmp else None, reason=reason, error=error,

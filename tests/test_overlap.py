@@ -200,7 +200,18 @@ def summary(tmp_path_factory):
     (out / "overlap.yaml").write_text(CASE)
     proc = run_cli("verify", out / "overlap.yaml", "--out", out)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
-    return {v["name"]: v for v in json.loads((out / "overlap" / "summary.json").read_text())["variants"]}, proc
+    variants = {v["name"]: v for v in json.loads((out / "overlap" / "summary.json").read_text())["variants"]}
+    proc.html = (out / "overlap" / "index.html").read_text()
+    return variants, proc
+
+
+@pytest.mark.slow
+def test_report_names_the_schedule_and_draws_merged_cells(summary):
+    variants, proc = summary
+    assert variants["with-loss-overlap-delay"]["schedule"] == "interleaved · overlap + delayed wgrad"
+    assert variants["with-loss"]["schedule"] == "interleaved" and variants["p1-overlap"]["schedule"] == \
+        "no pipelining · overlap"
+    assert 'class="cell FB merged' in proc.html and "merged forward | backward" in proc.html
 
 
 @pytest.mark.slow

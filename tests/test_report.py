@@ -408,9 +408,11 @@ def _matrix_rows(html: str) -> list[str]:
 def test_html_matrix_reductions_clip_and_reference(html):
     head = re.search(r'<table class="matrix">\s*<thead>(.*?)</thead>', html, re.S).group(1)
     headers = re.findall(r"<th[^>]*>([^<]+)</th>", head)
-    assert headers == ["variant", "layout", "P", "V", "MTP standalone", "reductions", "clip", "compared with",
+    assert headers == ["variant", "layout", "P", "V", "EP", "schedule", "MTP standalone", "reductions", "clip", "compared with",
                        "expect", "verdict", "bitwise equal", "first divergence", "reason", "elapsed"]
     rows = _matrix_rows(html)
+    sched = [re.search(r'<td class="schedule">([^<]*)</td>', r).group(1) for r in rows]
+    assert all(x in ("no pipelining", "1F1B", "interleaved") for x in sched), sched
     red = [re.search(r'<td class="reductions">([^<]*)</td>', r).group(1) for r in rows]
     assert red == ["megatron", "megatron", "megatron", "canonical"]
     clip = [re.search(r'<td class="num clip[^"]*">([^<]*)</td>', r).group(1) for r in rows]
