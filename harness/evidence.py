@@ -17,8 +17,12 @@ MAX_BYTES = 256 << 20
 
 
 def diverging_keys(ref: Trace, other: Trace, step: int, limit: int = MAX_TENSORS) -> list[str]:
-    """Keys whose gradient or updated value differs at `step`, canonical order, at most `limit`."""
-    a, b = ref.steps[step], other.steps[step]
+    """Keys whose gradient or updated value differs at `step` (the step number: a resumed run's trace starts
+    after its resume point), canonical order, at most `limit`; [] when either trace lacks that step."""
+    a = next((s for s in ref.steps if s.step == step), None)
+    b = next((s for s in other.steps if s.step == step), None)
+    if a is None or b is None:
+        return []
     keys = [k for k in ref.order if k in other.params and
             (a.grads.get(k) != b.grads.get(k) or a.params.get(k) != b.params.get(k))]
     return keys[:limit]

@@ -50,3 +50,21 @@ def test_loss_divergence_carries_ulps(runs):
     fd = runs["mask"]["first_divergence"]
     assert fd["kind"] == "loss" and fd["name"] == "mtp_1" and "ulp)" in fd["detail"]
     assert runs["mask"]["ulp_evidence"] == []          # losses need no tensor dump
+
+
+def test_diverging_keys_of_a_resumed_run_go_by_step_number():
+    """A resumed run's trace starts after its resume point: evidence must look steps up by number (it used to
+    index the list and crash with IndexError on the last step)."""
+    from harness.evidence import diverging_keys
+    from harness.trace import StepTrace, Trace
+    meta = {"key": "w", "name": "w", "replica": None, "shape": [2], "dtype": "float32", "family": "x",
+            "weight_decay": False, "order": [0, 0, 0], "rank": 0}
+
+    def trace(steps):
+        return Trace(format="bitparity-trace/2", params={"w": meta}, order=["w"], init={"w": "0" * 16},
+                     steps=[StepTrace(step=i, grads={"w": g}, params={"w": "0" * 16}) for i, g in steps],
+                     world_size=1)
+    ref = trace([(0, "a" * 16), (1, "b" * 16)])
+    resumed = trace([(1, "c" * 16)])                      # resumed after step 0
+    assert diverging_keys(ref, resumed, 1) == ["w"]
+    assert diverging_keys(ref, resumed, 0) == []          # the resumed run has no step 0
