@@ -201,8 +201,11 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     dirs = {r.spec.name: Path("runs") / _dir_name(r.spec.name, taken) for r in plan.runs}
     plan_configs = {r.spec.name: r.config for r in plan.runs}
     schedules = {r.spec.name: _schedule(r) for r in plan.runs}
+    # a fault planted from the command line (--inject) is not in the case file: the command must repeat it
     reproduce = {r.spec.name: shlex.join(["bitparity", "verify", str(plan.path), "--only", r.spec.name,
-                                          "--out", str(out_root)]) for r in plan.runs}
+                                          "--out", str(out_root)] +
+                                         (["--inject", r.config.inject] if r.config.inject and not r.spec.inject
+                                          else [])) for r in plan.runs}
     # checkpoints: a run that others resume from saves after their step; resuming runs go last
     for r in plan.runs:
         if r.spec.resume:

@@ -254,3 +254,14 @@ def test_overlap_restrictions_on_the_model():
     assert "at most one MTP layer" in overlap_problem(CFG.model_copy(update={"mtp_num_layers": 2}), True, False)
     dense_last = CFG.model_copy(update={"moe_layer_freq": "[1]*3+[0]*1"})
     assert "MoE layer inside the MTP layer" in overlap_problem(dense_last, True, False)
+
+
+@pytest.mark.slow
+def test_reproduce_command_repeats_a_fault_planted_from_the_command_line(tmp_path):
+    proc = run_cli("verify", "cases/overlap-ep.yaml", "--only", "standalone-overlap", "--inject",
+                   "overlap_skips_final_norm", "--out", tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    runs = tmp_path / "overlap-ep" / "runs"
+    command = json.loads((runs / "standalone-overlap" / "manifest.json").read_text())["command"]
+    assert command.endswith("--inject overlap_skips_final_norm")
+    assert "--inject" not in json.loads((runs / "base" / "manifest.json").read_text())["command"]  # clean baseline
