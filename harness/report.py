@@ -616,6 +616,16 @@ def _cell_colours(op: str, chunk: int) -> tuple[str, str]:
     return TIMELINE_OTHER if palette is None else palette[chunk % len(palette)]
 
 
+def _cell_label(text: str, x: float, w: float, y: float, ink: str) -> list[str]:
+    """The microbatch label of a timeline cell [x, x + w) in the row at y, in the largest font that fits
+    (digits are about 0.6 em wide); [] when none does."""
+    size = next((fs for fs in (10, 9, 8) if w >= 0.6 * fs * len(text) + 2), None)
+    if size is None:
+        return []
+    return [f'<text class="mb" x="{_num(x + w / 2)}" y="{_num(y + _TL_ROW_H / 2 + size * 0.35)}" '
+            f'text-anchor="middle" fill="{ink}" font-size="{size}">{_attr(text)}</text>']
+
+
 def _merged_cell(c: dict, pp: int, x: float, w: float, y: float) -> list[str]:
     """SVG of one merged 1F1B-overlap cell: the forward third and the backward two thirds in their chunks'
     colours inside one outlined box, labelled ``f|b`` (the two microbatches) when it fits."""
@@ -629,11 +639,7 @@ def _merged_cell(c: dict, pp: int, x: float, w: float, y: float) -> list[str]:
            f'<rect x="{_num(x + w / 3)}" y="{y}" width="{_num(2 * w / 3)}" height="{_TL_ROW_H}" fill="{bfill}"/>',
            f'<rect x="{_num(x)}" y="{y}" width="{_num(w)}" height="{_TL_ROW_H}" fill="none" '
            f'stroke="{TIMELINE_MERGED}" stroke-width="1.4"/>']
-    text = f'{c["microbatch"]}|{c["b_microbatch"]}'
-    size = next((fs for fs in (10, 9, 8) if w >= 0.6 * fs * len(text) + 2), None)
-    if size is not None:
-        out.append(f'<text class="mb" x="{_num(x + w / 2)}" y="{_num(y + _TL_ROW_H / 2 + size * 0.35)}" '
-                   f'text-anchor="middle" fill="#1f2328" font-size="{size}">{_attr(text)}</text>')
+    out += _cell_label(f'{c["microbatch"]}|{c["b_microbatch"]}', x, w, y, "#1f2328")
     out.append("</g>")
     return out
 
@@ -742,11 +748,7 @@ def timeline_svg(v: VariantResult) -> Optional[str]:
         out.append(f'<rect class="cell {op_cls} chunk-{chunk}" x="{_num(x)}" y="{y}" width="{_num(w)}" '
                    f'height="{_TL_ROW_H}" fill="{fill}" stroke="#ffffff" stroke-width="0.6">'
                    f'<title>{_attr(tip)}</title></rect>')
-        text = str(c["microbatch"])
-        size = next((fs for fs in (10, 9, 8) if w >= 0.6 * fs * len(text) + 2), None)
-        if size is not None:   # the microbatch, when it fits (digits are about 0.6 em wide)
-            out.append(f'<text class="mb" x="{_num(x + w / 2)}" y="{_num(y + _TL_ROW_H / 2 + size * 0.35)}" '
-                       f'text-anchor="middle" fill="{ink}" font-size="{size}">{text}</text>')
+        out += _cell_label(str(c["microbatch"]), x, w, y, ink)
     # legend
     for li, line in enumerate(lines):
         y = legend_y0 + li * 18

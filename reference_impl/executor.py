@@ -98,11 +98,7 @@ class StepExecutor:
                 else:
                     grads_in[key] = buf
             elif a.op == "F":
-                plan = begin_forward(a.stage, a.microbatch)
-                if self.overlap:
-                    run_combined(plan, None, None)
-                else:
-                    plan.forward()
+                begin_forward(a.stage, a.microbatch).forward()
                 end_forward(a.stage, a.microbatch)
             elif a.op == "B":
                 plan = plans.pop(key)

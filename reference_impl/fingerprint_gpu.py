@@ -238,7 +238,6 @@ class _Plan:
     """Device table and launch list for one list of tensors (cached: the same gradients every step)."""
 
     def __init__(self, metas, device, cfg):
-        self.n = len(metas)
         self.hmix = _mix(np.array([_header(m["dtype"], m["shape"]) for m in metas], dtype=np.uint64))
         subw, blockw = _geometry(cfg)
         self.launches: list = []      # ("contig", base, esize, (align16, mis), subw, blockw, row0, item0, nitems)

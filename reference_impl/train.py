@@ -19,7 +19,7 @@ from .capture import FORMAT, TraceWriter, scalar
 from .config import RunConfig
 from .data import TokenDataset
 from .executor import StepExecutor
-from .fingerprint import PendingHex, fingerprint_hex_many_async
+from .fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
 from .init import init_parameters
 from .probe import Probe
 from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
@@ -130,7 +130,7 @@ class RankState:
     def buffers(self) -> dict:
         """{global name: fingerprint} of the persistent buffers (router expert bias)."""
         bufs = self.named_buffers()
-        return dict(zip((n for n, _ in bufs), fingerprint_hex_many_async([b for _, b in bufs]).hex()))
+        return dict(zip((n for n, _ in bufs), fingerprint_hex_many([b for _, b in bufs])))
 
 
 def make_optimizer(state: RankState) -> torch.optim.Optimizer:

@@ -43,9 +43,10 @@ class MTPLayer(nn.Module):
 
         def mtp_post(st):
             out = self.final_layernorm(st.pop("h"))
-            st["h"], st[f"mtp.{depth + 1}"] = (None, out) if last else fanout(out, 2)
-            if st["h"] is None:
-                del st["h"]
+            if last:
+                st[f"mtp.{depth + 1}"] = out
+            else:       # the next depth's hidden input and the concatenation both consume it
+                st["h"], st[f"mtp.{depth + 1}"] = fanout(out, 2)
 
         return {**fns, "pre_dispatch": pre_dispatch, "mtp_post": mtp_post}
 

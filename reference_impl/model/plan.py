@@ -78,7 +78,10 @@ class ChunkPlan:
         self.saved.append((leaves, _grad_tensors(st) if self.overlap else None))
 
     def forward(self) -> None:
-        """Run every node."""
+        """Whole forward: every node in order (node by node: through `run_combined`, Megatron's order)."""
+        if self.overlap:
+            run_combined(self, None, None)
+            return
         for j in range(len(self.saved), len(self.nodes)):
             self.forward_node(j)
 
@@ -96,8 +99,7 @@ class ChunkPlan:
         self.next_backward -= 1
         leaves, outs = self.saved[j]
         if j == len(self.nodes) - 1:
-            out = self.state["out"]
-            roots, grads = ([out.objective], [None]) if grad_output is None else ([out], [grad_output])
+            roots, grads = self._seed(grad_output)
         else:
             after = self.saved[j + 1][0]
             pairs = [(t, after[k].grad) for k, t in outs.items() if k in after and after[k].grad is not None]
@@ -118,14 +120,16 @@ class ChunkPlan:
 
     def backward(self, grad_output: Optional[torch.Tensor] = None) -> None:
         """Whole backward: one autograd call (plain), or every node in reverse with its weight gradients."""
-        if not self.overlap:
-            out = self.state["out"]
-            if grad_output is None:
-                torch.autograd.backward(out.objective)
-            else:
-                torch.autograd.backward(out, grad_output)
-            return
-        run_combined(None, self, grad_output)
+        if self.overlap:
+            run_combined(None, self, grad_output)
+        else:
+            torch.autograd.backward(*self._seed(grad_output))
+
+    def _seed(self, grad_output: Optional[torch.Tensor]) -> tuple[list, list]:
+        """Backward roots and gradients of the chunk's output: the loss objective (seeds itself) on the loss
+        stage, else the sent activation with its received gradient."""
+        out = self.state["out"]
+        return ([out.objective], [None]) if grad_output is None else ([out], [grad_output])
 
     @property
     def input_grad(self) -> Optional[torch.Tensor]:
