@@ -10,7 +10,14 @@ STAMP    = $(VENV)/.bitparity-installed
 CASE    ?= cases/smoke.yaml
 BUDGET  ?= 10m
 
-.PHONY: verify test bench bench-gpu fuzz venv clean
+# Another machine's arithmetic, at home: the expectation-bearing tests and the small cases again under other
+# ATen kernel sets and MKL's reproducible branch, so an expectation that flips with the CPU fails here.
+PORTABILITY_SETTINGS ?= ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE
+PORTABILITY_TESTS    ?= tests/test_reductions.py tests/test_expert_parallel.py tests/test_verify_e2e.py \
+                        tests/test_overlap.py tests/test_faults.py tests/test_evidence.py tests/test_model.py
+PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml
+
+.PHONY: verify test test-portability bench bench-gpu fuzz venv clean
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -27,6 +34,15 @@ verify: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+test-portability: $(STAMP)
+	@set -e; for setting in $(PORTABILITY_SETTINGS); do \
+	  echo "== arithmetic: $$setting"; \
+	  env $$setting $(BIN)/python -m pytest -q -p no:cacheprovider $(PORTABILITY_TESTS) $(ARGS); \
+	  for case in $(PORTABILITY_CASES); do \
+	    env $$setting $(BIN)/bitparity verify $$case --out reports/portability/$$setting; \
+	  done; \
+	done
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_fuzz.py

@@ -20,9 +20,17 @@ starts from another case and deep-merges this file's mappings over it)::
         options: {clip_grad: 0.05}   # overrides of `training` for this variant
         compare_to: other-variant    # reference run (default: the baseline)
         repeat: 2                    # also run it again and require the runs bitwise equal (a control)
-        expect: bitwise | diverge
-        first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # optional, with diverge;
-                                     # kinds: inventory, loss, grad, grad_norm, param
+        expect: bitwise | may_diverge | diverge
+        first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # with may_diverge
+                                     # (required) or diverge (optional); kinds: inventory, loss, grad, grad_norm,
+                                     # param; max_ulp: N bounds a loss / grad_norm first divergence; a list
+                                     # [{...}, {...}] allows any one of several places
+
+    ``may_diverge`` is the honest statement about rounding: the run may be bitwise equal, and if it is not, its
+    first divergence must be the one given (so nothing differs before it).  Use it wherever a difference
+    depends on the values (a sum regrouped by the layout: whether its last bit moves depends on the data, the
+    CPU's kernels, the GPU).  ``diverge`` demands a difference: keep it for differences that are certain by
+    construction (another model, another microbatch count, a planted bit flip).
         inject: grad_bit_flip        # test-only planted fault (reference_impl.faults); --inject sets it for all
 
 Every layout is parsed and validated and every schedule is dry-run (`reference_impl.schedule.simulate`)
@@ -37,7 +45,7 @@ from typing import Literal, Optional
 import re
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from reference_impl import faults
 from reference_impl.config import (ModelConfig, ParallelConfig, RunConfig, TrainingConfig, check_expert_parallel,
@@ -72,12 +80,14 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class ExpectedDivergence(_Strict):
-    """Where a `diverge` variant must first differ: any field left out (None) matches anything."""
+    """Where a `diverge` / `may_diverge` variant must first differ: any field left out (None) matches anything.
+    `max_ulp` (loss and grad_norm only: a scalar with one bit pattern per run) bounds the distance in ULPs."""
 
     step: Optional[int] = Field(None, ge=0)     # None: any step
     kind: Literal["inventory", "loss", "grad", "grad_norm", "param"]
     name: Optional[str] = None
     microbatch: Optional[int] = None
+    max_ulp: Optional[int] = Field(None, ge=0)
 
 
 class ResumeSpec(_Strict):
@@ -98,8 +108,14 @@ class VariantSpec(_Strict):
     overlap_moe_expert_parallel_comm: bool = False    # Megatron's 1F1B overlap schedule
     delay_wgrad_compute: bool = False
     options: dict = Field(default_factory=dict)
-    expect: Literal["bitwise", "diverge"] = "bitwise"
-    first_divergence: Optional[ExpectedDivergence] = None
+    expect: Literal["bitwise", "may_diverge", "diverge"] = "bitwise"
+    # one place, or a list of places any one of which may be the first divergence
+    first_divergence: Optional[list[ExpectedDivergence]] = None
+
+    @field_validator("first_divergence", mode="before")
+    @classmethod
+    def _one_or_more(cls, v):
+        return [v] if isinstance(v, dict) else v
     inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
     compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
     repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
@@ -270,8 +286,14 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     where = f"{path}: {'baseline' if is_baseline else 'variant'} {v.name!r}"
     if is_baseline and (v.expect != "bitwise" or v.first_divergence):
         raise UsageError(f"{where}: the baseline cannot carry an expectation")
-    if v.first_divergence and v.expect != "diverge":
-        raise UsageError(f"{where}: first_divergence is only meaningful with expect: diverge")
+    if v.first_divergence and v.expect == "bitwise":
+        raise UsageError(f"{where}: first_divergence is only meaningful with expect: may_diverge or diverge")
+    if v.expect == "may_diverge" and v.first_divergence is None:
+        raise UsageError(f"{where}: expect: may_diverge needs first_divergence (where the run may differ: "
+                         "at least its kind)")
+    for want in v.first_divergence or []:
+        if want.max_ulp is not None and want.kind not in ("loss", "grad_norm"):
+            raise UsageError(f"{where}: first_divergence.max_ulp applies to kind loss or grad_norm, not {want.kind}")
     try:
         training = TrainingConfig.model_validate({**spec.training.model_dump(), **v.options})
     except ValidationError as e:

@@ -109,12 +109,12 @@ def _loss_diffs(base_step, other_step):
         yield None, "lm loss (reported)", bl or {"hex": "none"}, ol or {"hex": "none"}
 
 
-def _ulps(a_hex: str, b_hex: str) -> str:
-    """' (n ulp)' for two float bit patterns of one width, else ''."""
+def _ulp(a_hex: str, b_hex: str) -> Optional[int]:
+    """ULP distance of two float bit patterns of one width, else None (e.g. a count, 'none')."""
     try:
-        return f" ({ulp_distance(a_hex, b_hex)} ulp)" if a_hex.startswith("0x") and b_hex.startswith("0x") else ""
+        return ulp_distance(a_hex, b_hex) if a_hex.startswith("0x") and b_hex.startswith("0x") else None
     except ValueError:
-        return ""
+        return None
 
 
 def compare(base: Trace, other: Trace) -> Comparison:
@@ -140,18 +140,19 @@ def compare(base: Trace, other: Trace) -> Comparison:
     for bs, os_ in pairs:
         for mb, name, b, o in _loss_diffs(bs, os_):
             if first is None:
-                ulps = _ulps(b["hex"], o["hex"])
+                ulp = _ulp(b["hex"], o["hex"])
+                ulps = f" ({ulp} ulp)" if ulp is not None else ""
                 first = FirstDivergence(bs.step, "loss", mb, name,
-                                        f"{name}: reference {b['hex']} vs {o['hex']}{ulps}")
+                                        f"{name}: reference {b['hex']} vs {o['hex']}{ulps}", ulp=ulp)
         norm_ulps.append(None)
         for kind, b_map, o_map in (("grad", bs.grads, os_.grads), ("param", bs.params, os_.params)):
             if kind == "param" and bs.grad_norm and os_.grad_norm:
                 bh, oh = bs.grad_norm["hex"], os_.grad_norm["hex"]
-                norm_ulps[-1] = ulp_distance(bh, oh) if len(bh) == len(oh) else None
+                norm_ulps[-1] = _ulp(bh, oh) if len(bh) == len(oh) else None
                 if bh != oh and first is None:
                     ulps = f" ({norm_ulps[-1]} ulp)" if norm_ulps[-1] is not None else ""
                     first = FirstDivergence(bs.step, "grad_norm", None, "grad norm",
-                                            f"grad norm {bh} vs {oh}{ulps}")
+                                            f"grad norm {bh} vs {oh}{ulps}", ulp=norm_ulps[-1])
             per_family = dict.fromkeys(FAMILIES, 0)
             for k in keys:
                 if b_map.get(k) != o_map.get(k):

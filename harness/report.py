@@ -125,6 +125,9 @@ def _ref_words(v: VariantResult, baseline: str) -> str:
 def _expectation_words(v: VariantResult, baseline: str) -> str:
     if v.expect == "bitwise":
         return f"expected bitwise equality with {_ref_words(v, baseline)}"
+    if v.expect == "may_diverge":
+        return (f"expected bitwise equality with {_ref_words(v, baseline)}, or a first divergence only where "
+                "allowed (rounding that depends on the values)")
     return f"expected to diverge from {_ref_words(v, baseline)}"
 
 
@@ -218,11 +221,14 @@ def summary_dict(result: CaseResult) -> dict:
         {"case": str, "baseline": str, "elapsed_s": float,
          "variants": [{"name": str, "layout": str, "pp": int, "vpp": int, "ep": int, "schedule": str,
                        "mtp_standalone": bool,
-                       "expect": "bitwise"|"diverge", "verdict": "pass"|"fail"|"error",
+                       "expect": "bitwise"|"may_diverge"|"diverge", "verdict": "pass"|"fail"|"error",
+                       "outcome": "reference"|"equal"|"differs only where allowed"|"differs as expected"|
+                                  "unexpected difference"|"unexpectedly equal"|"error",
                        "bitwise_equal": bool|None,
                        "first_divergence": None | {"step": int,
                                                    "kind": "inventory"|"loss"|"grad"|"grad_norm"|"param",
-                                                   "microbatch": int|None, "name": str},
+                                                   "microbatch": int|None, "name": str,
+                                                   "ulp": int|None},
                        "reason": str, "elapsed_s": float,
                        "compare_to": str, "reductions": "megatron"|"canonical",
                        "clip_grad": float, "bubble_fraction": float|None,
@@ -266,12 +272,14 @@ def summary_dict(result: CaseResult) -> dict:
             "mtp_standalone": bool(v.mtp_standalone),
             "expect": str(v.expect),
             "verdict": str(v.verdict),
+            "outcome": str(v.outcome),
             "bitwise_equal": None if v.bitwise_equal is None else bool(v.bitwise_equal),
             "first_divergence": None if fd is None else {
                 "step": int(fd.step),
                 "kind": str(fd.kind),
                 "microbatch": None if fd.microbatch is None else int(fd.microbatch),
                 "name": str(fd.name),
+                "ulp": None if fd.ulp is None else int(fd.ulp),
             },
             "reason": str(v.reason or ""),
             "elapsed_s": _finite_or_none(v.elapsed_s) or 0.0,
@@ -333,7 +341,7 @@ def junit_xml(result: CaseResult) -> str:
         if v.verdict == "fail":
             fail = ET.SubElement(tc, "failure", {
                 "message": _clean_text(v.reason or "variant does not match its expectation"),
-                "type": "BitwiseMismatch" if v.expect == "bitwise" else "UnexpectedEquality",
+                "type": "UnexpectedEquality" if v.outcome == "unexpectedly equal" else "BitwiseMismatch",
             })
             fail.text = _clean_text(_variant_failure_text(v, result.baseline))
         elif v.verdict == "error":
@@ -354,9 +362,17 @@ def junit_xml(result: CaseResult) -> str:
 _VERDICT_MD = {"pass": "✅ pass", "fail": "❌ fail", "error": "⚠️ error"}
 
 
+#: Characters that break a Markdown line or disguise text: C0/C1 controls and DEL (newlines end a table row
+#: and a blank line starts raw HTML), Unicode line/paragraph separators, bidi marks, embeddings, overrides
+#: and isolates (a "Trojan Source" name can display as another variant's).
+_MD_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
 def _md_cell(s: Any) -> str:
-    """Text safe inside a GitHub/GitLab Markdown table cell: one line, no raw HTML, pipes escaped."""
-    s = _clean_text(s).replace("\r", " ").replace("\n", " ").strip()
+    """Text safe anywhere in summary.md (table cells, headings, list text): one line without control or
+    bidi characters, ``& < >`` as entities (no raw HTML), Markdown punctuation (``\\ | ` * _ [ ]``)
+    backslash-escaped so that names neither split a table row nor become code, emphasis, links or images."""
+    s = _MD_CONTROL.sub(" ", _clean_text(s)).strip()    # _clean_text first: it drops ANSI sequences whole
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     s = s.replace("\\", "\\\\").replace("|", "\\|").replace("`", "\\`")
     for ch in "*_[]":
@@ -367,9 +383,9 @@ def _md_cell(s: Any) -> str:
 def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str:
     """A short Markdown verdict table for a CI job page, with a link to the HTML report.
 
-    Columns: variant, layout, P, V, reductions, clip, expect, verdict, first divergence.  Cell text is
-    escaped so that variant names containing markup or ``|`` neither render as HTML nor break the
-    table.
+    Columns: variant, layout, P, V, reductions, clip, expect, verdict, first divergence.  Every name and
+    reason (case, baseline, variants, layouts, errors) goes through `_md_cell`, so that names containing
+    markup, ``|``, backticks or newlines neither render as HTML or Markdown nor break the table.
     """
     n = len(result.variants)
     counts = {k: sum(v.verdict == k for v in result.variants) for k in ("pass", "fail", "error")}
@@ -380,7 +396,7 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         f"{counts['pass']}/{n} variants pass"
         + (f", {counts['fail']} fail" if counts["fail"] else "")
         + (f", {counts['error']} error" if counts["error"] else "")
-        + f" · baseline `{_clean_text(result.baseline).replace('`', '')}`"
+        + f" · baseline {_md_cell(result.baseline)}"          # not a code span: escapes show literally there
         + f" · {format_elapsed(result.elapsed_s)}",
         "",
         "| variant | layout | P | V | reductions | clip | expect | verdict | first divergence |",

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 Verdict = Literal["pass", "fail", "error"]
+#: What a reader sees first, one of five (plus the reference run's own): the verdict says whether the
+#: expectation held, the outcome says what happened.
+Outcome = Literal["reference", "equal", "differs only where allowed", "differs as expected",
+                  "unexpected difference", "unexpectedly equal", "error"]
 DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "param"]
 
 #: Parameter families used to group mismatches (see `reference_impl.names.family`).
@@ -30,6 +34,7 @@ class FirstDivergence:
     microbatch: Optional[int]
     name: str
     detail: str = ""
+    ulp: Optional[int] = None      # loss / grad_norm: ULP distance of the two bit patterns, else None
 
 
 @dataclass
@@ -55,7 +60,7 @@ class VariantResult:
     pp: int
     vpp: int
     mtp_standalone: bool
-    expect: Literal["bitwise", "diverge"]
+    expect: Literal["bitwise", "may_diverge", "diverge"]
     verdict: Verdict
     bitwise_equal: Optional[bool]                 # None when the run errored
     first_divergence: Optional[FirstDivergence]
@@ -96,6 +101,7 @@ class VariantResult:
     expert_model_parallel_size: int = 1           # EP (the run has pp x EP ranks)
     overlap: bool = False                         # overlap_moe_expert_parallel_comm (Megatron's 1F1B overlap)
     delay_wgrad: bool = False                     # delay_wgrad_compute
+    outcome: Outcome | Literal[""] = ""           # what happened, in words (`harness.verify.judge`); "" unjudged
 
     @property
     def schedule(self) -> str:

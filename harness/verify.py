@@ -12,7 +12,6 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import socket
 import sys
 import time
@@ -27,9 +26,10 @@ from dataclasses import asdict
 from reference_impl.config import CheckpointConfig
 from reference_impl.schedule import build_schedule, serialise, timeline
 
+from . import outdir
+from .arithmetic import arithmetic_facts
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
-from .errors import UsageError
 from .evidence import collect as collect_evidence
 from .localise import boundary_mismatches, localise
 from .report import write_report
@@ -39,7 +39,8 @@ from .trace import Trace, TraceError, merge
 
 
 def environment() -> dict:
-    """Facts that bitwise results depend on (recorded in every manifest and shown in the report)."""
+    """Facts that bitwise results depend on (recorded in every manifest and shown in the report): versions,
+    platform, and the machine's arithmetic (`harness.arithmetic.arithmetic_facts`)."""
     def version(dist: str) -> str:
         try:
             return metadata.version(dist)
@@ -48,7 +49,7 @@ def environment() -> dict:
     return {"torch": version("torch"), "bitparity": version("bitparity"),
             "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **arithmetic_facts()}
 
 
 def _transport_facts(run_dir: Path) -> dict:
@@ -126,49 +127,91 @@ def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launch
 
 
 def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
-          replicas: Optional[dict] = None, run_to_run: Optional[dict] = None) -> tuple[str, str]:
-    """(verdict, one-line reason) for a variant from its expectation, comparison and replica status.
+          replicas: Optional[dict] = None, run_to_run: Optional[dict] = None) -> tuple[str, str, str]:
+    """(verdict, outcome, one-line reason) for a variant from its expectation, comparison and replica status.
+
+    verdict: pass / fail / error (the exit code).  outcome (`harness.results.Outcome`): what happened —
+    ``equal``, ``differs only where allowed`` (``may_diverge``, first divergence where it was allowed),
+    ``differs as expected`` (``diverge``), ``unexpected difference``, ``unexpectedly equal``, ``error``, or
+    ``reference`` for the baseline.
 
     Structural failures come first: a parameter inventory that differs from the reference run's fails
     unless the variant expects exactly that (``first_divergence: {kind: inventory}``); a replica that
     drifted from its original (`harness.compare.replica_status`) fails the baseline and every
-    ``expect: bitwise`` variant.
+    ``bitwise`` / ``may_diverge`` variant (a ``diverge`` run may be broken on purpose).
     """
     if error:
-        return "error", error.splitlines()[0]
+        return "error", "error", error.splitlines()[0]
     if run_to_run and not run_to_run["deterministic"]:   # nondeterminism, not a layout effect
-        return "fail", f"run-to-run nondeterminism: {run_to_run['detail']}"
+        return "fail", "unexpected difference", f"run-to-run nondeterminism: {run_to_run['detail']}"
     broken = replicas is not None and replicas.get("consistent") is False
     replica_why = f"replica inconsistent from step {replicas['first_broken_step']}: {replicas['detail']}" \
         if broken else ""
     if run.is_baseline:
-        return ("fail", f"reference run: {replica_why}") if broken else \
-            ("pass", "reference run: completed (compared with itself)")
+        return ("fail", "unexpected difference", f"reference run: {replica_why}") if broken else \
+            ("pass", "reference", "reference run: completed (compared with itself)")
     fd, exp = cmp.first_divergence, run.spec
     where = f"first divergence: step {fd.step} {fd.kind} {fd.name}" if fd else ""
     ref = exp.compare_to or "the baseline"
     want = exp.first_divergence
-    if cmp.inventory and not (exp.expect == "diverge" and want and want.kind == "inventory"):
-        return "fail", f"parameter inventory differs from {ref} ({len(cmp.inventory)}): {cmp.inventory[0]}"
-    if exp.expect == "bitwise":
-        if not cmp.bitwise_equal:
-            return "fail", f"expected bitwise equality; {where}" + (f"; {replica_why}" if broken else "")
-        return ("fail", f"bitwise equal to {ref}, but {replica_why}") if broken else \
-            ("pass", f"bitwise equal to {ref}")
+    if cmp.inventory and not (exp.expect != "bitwise" and any(w.kind == "inventory" for w in want or [])):
+        return "fail", "unexpected difference", \
+            f"parameter inventory differs from {ref} ({len(cmp.inventory)}): {cmp.inventory[0]}"
     if cmp.bitwise_equal:
-        return "fail", f"expected a divergence but the run is bitwise equal to {ref}"
-    if want:
-        mismatch = [f"{k} {getattr(fd, k)!r} (expected {getattr(want, k)!r})" for k in ("step", "kind", "name",
-                    "microbatch") if getattr(want, k) is not None and getattr(want, k) != getattr(fd, k)]
-        if mismatch:
-            return "fail", "diverged elsewhere than expected: " + ", ".join(mismatch)
-    return "pass", f"diverges as expected; {where}"
+        if exp.expect == "diverge":
+            return "fail", "unexpectedly equal", f"expected a divergence but the run is bitwise equal to {ref}"
+        if broken:
+            return "fail", "unexpected difference", f"bitwise equal to {ref}, but {replica_why}"
+        allowed = f" (allowed to differ: {' or '.join(map(_allowed, want))})" if exp.expect == "may_diverge" else ""
+        return "pass", "equal", f"bitwise equal to {ref}{allowed}"
+    if exp.expect == "bitwise":
+        return "fail", "unexpected difference", f"expected bitwise equality; {where}" + \
+            (f"; {replica_why}" if broken else "")
+    misses = [_misplaced(fd, w) for w in want or []]
+    mismatch = min(misses, key=len) if misses and all(misses) else []
+    if mismatch:
+        return "fail", "unexpected difference", \
+            ("differs outside what is allowed: " if exp.expect == "may_diverge" else
+             "diverged elsewhere than expected: ") + ", ".join(mismatch)
+    if exp.expect == "may_diverge":     # a layout that may round differently must still keep its replicas
+        if broken:
+            return "fail", "unexpected difference", f"{_where_words(fd)} is allowed, but {replica_why}"
+        return "pass", "differs only where allowed", f"differs only where allowed: {_where_words(fd)}"
+    return "pass", "differs as expected", f"diverges as expected; {where}"
+
+
+def _misplaced(fd, want) -> list[str]:
+    """How the first divergence `fd` misses the expected place `want` (fields left out match anything)."""
+    out = [f"{k} {getattr(fd, k)!r} (expected {getattr(want, k)!r})" for k in ("step", "kind", "name", "microbatch")
+           if getattr(want, k) is not None and getattr(want, k) != getattr(fd, k)]
+    if want.max_ulp is not None and (fd.ulp is None or fd.ulp > want.max_ulp):
+        out.append(f"{fd.ulp if fd.ulp is not None else 'unknown'} ulp (at most {want.max_ulp} allowed)")
+    return out
+
+
+def _allowed(want) -> str:
+    """'grad norm, any step, <= 4 ulp': where a `may_diverge` variant is allowed to differ, in words."""
+    what = "grad norm" if want.kind == "grad_norm" else f"{want.kind} {want.name or '(any)'}"
+    parts = [what, f"step {want.step}" if want.step is not None else "any step"]
+    if want.microbatch is not None:
+        parts.append(f"microbatch {want.microbatch}")
+    if want.max_ulp is not None:
+        parts.append(f"<= {want.max_ulp} ulp")
+    return ", ".join(parts)
+
+
+def _where_words(fd) -> str:
+    """'grad norm, step 1, 1 ULP' / 'grad embedding.word_embeddings.weight, step 0'."""
+    what = "grad norm" if fd.kind == "grad_norm" else f"{fd.kind} {fd.name}"
+    if fd.microbatch is not None:
+        what += f", microbatch {fd.microbatch}"
+    return f"{what}, step {fd.step}" + (f", {fd.ulp} ULP" if fd.ulp is not None else "")
 
 
 def _comparison_record(v: VariantResult) -> dict:
     """``runs/<variant>/comparison.json``: the verdict and the structural checks of one variant."""
     return {"format": "bitparity-comparison/1", "variant": v.name, "compare_to": v.compare_to,
-            "verdict": v.verdict, "reason": v.reason, "bitwise_equal": v.bitwise_equal,
+            "verdict": v.verdict, "outcome": v.outcome, "reason": v.reason, "bitwise_equal": v.bitwise_equal,
             "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
             "inventory": v.inventory, "replica_status": v.replica_status, "run_to_run": v.run_to_run,
             "ulp_evidence": v.ulp_evidence, "evidence_error": v.evidence_error, "localisation": v.localisation}
@@ -179,18 +222,17 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``).
 
     ULP evidence (`harness.evidence`) is collected for every failing variant whose first divergence is a
-    gradient or parameter, and with `evidence_all` also for variants that diverge as expected."""
+    gradient or parameter, and with `evidence_all` also for variants that diverge as expected.
+
+    Raises:
+        UsageError: before anything runs or is written: --out is not a directory, ``out_root/<case>`` (or its
+            partial directory) exists but was not written by bitparity, or another `bitparity verify` is
+            writing the same case there (`harness.outdir`).
+    """
     start = time.monotonic()
-    if out_root.exists() and not out_root.is_dir():
-        raise UsageError(f"--out {out_root}: not a directory")
-    final, work = out_root / plan.name, out_root / f".{plan.name}.partial"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
+    # the partial directory is removed and the lock released on every exit, a crash included
+    with outdir.workspace(out_root, plan.name) as (work, final):
         return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)     # never leave a half-written report behind
-        raise
 
 
 def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all) -> CaseResult:
@@ -248,10 +290,10 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             None if ref is not None else f"reference run {ref_name!r} did not run, nothing to compare with")
         cmp = compare(ref, trace) if error is None else None
         replicas = replica_status(trace) if trace is not None else {}
-        verdict, reason = judge(run, cmp, error, replicas, repeats.get(name))
+        verdict, happened, reason = judge(run, cmp, error, replicas, repeats.get(name))
         corrupted = boundary_mismatches(trace) if trace is not None else []
         if corrupted and verdict != "error":
-            verdict, reason = "fail", f"stage boundary: {corrupted[0]}"
+            verdict, happened, reason = "fail", "unexpected difference", f"stage boundary: {corrupted[0]}"
         fd = cmp.first_divergence if cmp else None
         where = localise(ref, trace, fd.step) if fd is not None and fd.kind != "inventory" else None
         if where:
@@ -270,7 +312,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             overlap=run.config.parallel.overlap_moe_expert_parallel_comm,
             delay_wgrad=run.config.parallel.delay_wgrad_compute,
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
-            expect=run.spec.expect, verdict=verdict, bitwise_equal=cmp.bitwise_equal if cmp else None,
+            expect=run.spec.expect, verdict=verdict, outcome=happened, bitwise_equal=cmp.bitwise_equal if cmp else None,
             first_divergence=cmp.first_divergence if cmp else None, reason=reason, error=error,
             layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=_series(trace, cmp),
             family_mismatches=cmp.family_mismatches if cmp else {}, elapsed_s=outcome.elapsed_s,
@@ -290,6 +332,5 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
                         elapsed_s=time.monotonic() - start, environment=env, command=command)
     write_report(result, work)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(work, final)
+    outdir.publish(work, final)
     return result

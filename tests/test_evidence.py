@@ -17,7 +17,8 @@ CASE = textwrap.dedent("""\
     variants:
       - {name: flip, pipeline_model_parallel_layout: "Et|tt|tm|L", pipeline_model_parallel_size: 4,
          inject: grad_bit_flip}
-      - {name: p1, pipeline_model_parallel_layout: "Et*4mL", pipeline_model_parallel_size: 1, expect: diverge}
+      - {name: p1, pipeline_model_parallel_layout: "Et*4mL", pipeline_model_parallel_size: 1, expect: may_diverge,
+         first_divergence: {kind: grad, name: embedding.word_embeddings.weight}}
       - {name: mask, pipeline_model_parallel_layout: "Et|tt|tm|L", pipeline_model_parallel_size: 4,
          inject: mtp_loss_main_mask_count}
     """)
@@ -41,6 +42,8 @@ def test_one_flipped_bit_is_one_ulp_in_one_element(runs):
 
 
 def test_embedding_evidence_for_p1(runs):
+    if runs["p1"]["bitwise_equal"]:          # may differ, only here: this machine rounded both orders alike
+        pytest.skip("P=1 is bitwise equal to P=2 on this machine: no evidence to measure")
     rows = [r for r in runs["p1"]["ulp_evidence"] if r["key"] == "embedding.word_embeddings.weight"]
     assert rows and rows[0]["what"] == "grad" and 0 < rows[0]["fraction"] < 1
     assert rows[0]["max_ulp"] >= 1 and rows[0]["max_abs_err"] > 0

@@ -243,12 +243,49 @@ def test_judge_structural_rules():
     inv = Comparison(False, FirstDivergence(0, "inventory", None, H, ""), inventory=[f"{H}: only in the baseline"])
     assert judge(run(), inv, None)[0] == "fail"
     assert judge(run("diverge"), inv, None)[0] == "fail"                       # a different model, not a divergence
-    assert judge(run("diverge", ExpectedDivergence(kind="inventory", name=H)), inv, None)[0] == "pass"
+    assert judge(run("diverge", [ExpectedDivergence(kind="inventory", name=H)]), inv, None)[0] == "pass"
     broken = {"consistent": False, "first_broken_step": 1, "replicas": [f"{E}@mtp"], "detail": "x"}
     equal = Comparison(True, None)
-    assert judge(run(), equal, None, broken) == ("fail", "bitwise equal to the baseline, but replica inconsistent "
-                                                         "from step 1: x")
+    assert judge(run(), equal, None, broken) == ("fail", "unexpected difference", "bitwise equal to the baseline, "
+                                                 "but replica inconsistent from step 1: x")
     assert judge(run(baseline=True), None, None, broken)[0] == "fail"
     assert judge(run(), equal, None, {"consistent": True})[0] == "pass"
     diverged = Comparison(False, FirstDivergence(0, "grad", None, E, ""))
-    assert judge(run("diverge"), diverged, None, broken)[0] == "pass"           # only bitwise runs need replicas
+    assert judge(run("diverge"), diverged, None, broken)[0] == "pass"           # a diverge run may break them
+    assert judge(run("may_diverge", [ExpectedDivergence(kind="grad")]), diverged, None, broken)[0] == "fail"
+
+
+def test_judge_may_diverge_allows_equality_or_the_named_first_divergence():
+    from types import SimpleNamespace
+
+    from harness.cases import ExpectedDivergence
+    from harness.compare import Comparison
+    from harness.results import FirstDivergence
+    from harness.verify import judge
+
+    def run(expect, want):
+        return SimpleNamespace(is_baseline=False, spec=SimpleNamespace(expect=expect, first_divergence=want,
+                                                                       compare_to="ref"))
+    norm = [ExpectedDivergence(kind="grad_norm", max_ulp=4)]
+    at_norm = Comparison(False, FirstDivergence(1, "grad_norm", None, "grad norm", "", ulp=1))
+    far_norm = Comparison(False, FirstDivergence(1, "grad_norm", None, "grad norm", "", ulp=5))
+    at_loss = Comparison(False, FirstDivergence(1, "loss", 0, "lm", "", ulp=1))
+    equal = Comparison(True, None)
+    assert judge(run("may_diverge", norm), equal, None) == \
+        ("pass", "equal", "bitwise equal to ref (allowed to differ: grad norm, any step, <= 4 ulp)")
+    assert judge(run("may_diverge", norm), at_norm, None) == \
+        ("pass", "differs only where allowed", "differs only where allowed: grad norm, step 1, 1 ULP")
+    verdict, outcome, reason = judge(run("may_diverge", norm), far_norm, None)
+    assert (verdict, outcome) == ("fail", "unexpected difference") and "5 ulp (at most 4 allowed)" in reason
+    verdict, outcome, reason = judge(run("may_diverge", norm), at_loss, None)   # something before the norm
+    assert (verdict, outcome) == ("fail", "unexpected difference") and "kind 'loss' (expected 'grad_norm')" in reason
+    step0 = [ExpectedDivergence(step=0, kind="grad_norm")]
+    assert judge(run("may_diverge", step0), at_norm, None)[0] == "fail"        # allowed at step 0 only
+    either = [ExpectedDivergence(step=0, kind="grad", name="x"), ExpectedDivergence(kind="grad_norm")]
+    assert judge(run("may_diverge", either), at_norm, None)[:2] == ("pass", "differs only where allowed")
+    assert judge(run("may_diverge", either), at_loss, None)[0] == "fail"
+    assert judge(run("may_diverge", either), equal, None)[2] == \
+        "bitwise equal to ref (allowed to differ: grad x, step 0 or grad norm, any step)"
+    assert judge(run("diverge", norm), equal, None)[:2] == ("fail", "unexpectedly equal")
+    assert judge(run("diverge", norm), at_norm, None)[:2] == ("pass", "differs as expected")
+    assert judge(run("bitwise", None), at_norm, None)[:2] == ("fail", "unexpected difference")

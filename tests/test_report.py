@@ -144,10 +144,12 @@ def test_summary_dict_schema_and_values(result):
         for key, typ in required.items():
             assert type(v[key]) is typ, (key, v[key])
         assert v["verdict"] in ("pass", "fail", "error")
+        assert v["outcome"] in ("", "reference", "equal", "differs only where allowed", "differs as expected",
+                                "unexpected difference", "unexpectedly equal", "error")
         assert v["bitwise_equal"] is None or type(v["bitwise_equal"]) is bool
         fd = v["first_divergence"]
         if fd is not None:
-            assert set(fd) == {"step", "kind", "microbatch", "name"}
+            assert set(fd) == {"step", "kind", "microbatch", "name", "ulp"}
             assert type(fd["step"]) is int and fd["kind"] in ("loss", "grad", "grad_norm", "param")
 
     base, ok, bad, err = s["variants"]
@@ -156,7 +158,7 @@ def test_summary_dict_schema_and_values(result):
     assert bad["bitwise_equal"] is False and err["bitwise_equal"] is None and ok["bitwise_equal"] is True
     assert ok["first_divergence"] is None and err["first_divergence"] is None
     assert bad["first_divergence"] == {"step": 0, "kind": "grad", "microbatch": None,
-                                       "name": "embedding.word_embeddings.weight"}
+                                       "name": "embedding.word_embeddings.weight", "ulp": None}
     assert bad["reason"] == "grads differ from baseline at step 0"
     assert bad["elapsed_s"] == 31.0
     assert s["environment"]["torch"] == "2.13.0"
@@ -172,19 +174,19 @@ def test_summary_dict_loss_divergence_keeps_microbatch():
     r = make_result()
     r.variants[2].first_divergence = FirstDivergence(step=3, kind="loss", microbatch=1, name="mtp_1")
     fd = report.summary_dict(r)["variants"][2]["first_divergence"]
-    assert fd == {"step": 3, "kind": "loss", "microbatch": 1, "name": "mtp_1"}
+    assert fd == {"step": 3, "kind": "loss", "microbatch": 1, "name": "mtp_1", "ulp": None}
     assert report.divergence_words(r.variants[2].first_divergence) == "step 3 · loss · mb 1 · mtp_1"
 
 
 def test_summary_dict_grad_norm_divergence_and_unset_compare_to():
     r = make_result()
     r.variants[2].first_divergence = FirstDivergence(step=1, kind="grad_norm", microbatch=None,
-                                                     name="grad norm", detail="grad norm 0x1 vs 0x2 (1 ulp)")
+                                                     name="grad norm", detail="grad norm 0x1 vs 0x2 (1 ulp)", ulp=1)
     r.variants[3].compare_to = ""       # older results: no compare_to means the baseline
     r.variants[1].clip_grad = float("nan")
     s = report.summary_dict(r)
     assert s["variants"][2]["first_divergence"] == {"step": 1, "kind": "grad_norm", "microbatch": None,
-                                                    "name": "grad norm"}
+                                                    "name": "grad norm", "ulp": 1}
     assert s["variants"][3]["compare_to"] == "baseline"
     assert s["variants"][1]["clip_grad"] == 0.0
     json.dumps(s, allow_nan=False)
@@ -691,7 +693,7 @@ def test_summary_json_inventory_and_replica_status():
     assert bad["inventory"] == INV_LINES
     assert base["inventory"] == ok["inventory"] == err["inventory"] == drift["inventory"] == []
     assert bad["first_divergence"] == {"step": 0, "kind": "inventory", "microbatch": None,
-                                       "name": "output_layer.weight"}
+                                       "name": "output_layer.weight", "ulp": None}
     assert base["replica_status"] == {"consistent": True, "first_broken_step": None, "replicas": [REPLICA],
                                       "detail": "1 replica(s) match their originals at init and after all 3 steps"}
     assert ok["replica_status"]["replicas"] == []

@@ -31,11 +31,16 @@ def test_smoke_layouts_bitwise_equal(smoke):
         assert verdicts[name]["verdict"] == "pass" and verdicts[name]["bitwise_equal"] is True
     assert verdicts["pp4-vpp2-mtp-standalone"]["mtp_standalone"] is True
     assert verdicts["pp4-vpp2-mtp-standalone"]["vpp"] == 2
-    # P=1 accumulates both embedding uses per microbatch: the embedding gradient diverges first, at step 0
+    # P=1 accumulates both embedding uses per microbatch: it may round apart (value-dependent), and if it
+    # does the embedding gradient is the first thing that differs
     p1 = verdicts["pp1"]
-    assert p1["verdict"] == "pass" and p1["bitwise_equal"] is False
-    assert p1["first_divergence"] == {"step": 0, "kind": "grad", "microbatch": None,
-                                      "name": "embedding.word_embeddings.weight"}
+    assert p1["verdict"] == "pass" and p1["expect"] == "may_diverge"
+    if p1["bitwise_equal"]:
+        assert p1["outcome"] == "equal" and p1["first_divergence"] is None
+    else:
+        assert p1["outcome"] == "differs only where allowed"
+        assert (p1["first_divergence"]["kind"], p1["first_divergence"]["name"]) == \
+            ("grad", "embedding.word_embeddings.weight")
 
 
 def test_smoke_artifacts(smoke):
@@ -45,6 +50,10 @@ def test_smoke_artifacts(smoke):
     assert "<svg" in (report / "index.html").read_text()
     manifest = json.loads((report / "runs" / "pp4-mtp-standalone" / "manifest.json").read_text())
     assert manifest["environment"]["torch"].startswith("2.")
+    env = manifest["environment"]         # what the bits depend on, besides code and case
+    assert env["cpu_model"] and env["aten_cpu_capability"] and env["blas"] and env["mkl_cbwr"]
+    assert env["env"].get("ATEN_CPU_CAPABILITY") == os.environ.get("ATEN_CPU_CAPABILITY")
+    assert "aten_cpu_capability" in (report / "index.html").read_text()
     assert manifest["num_threads"] == 1 and manifest["seed"] == 1234
     assert manifest["layout"]["mtp_standalone"] is True
     assert "RECV_F" in manifest["schedule"]
@@ -83,7 +92,8 @@ def test_planted_faults_are_caught_and_localised(tmp_path):
     # one flipped gradient bit: exactly that parameter, at step 0, before any loss or param differs
     assert v["flip"]["verdict"] == "fail"
     assert v["flip"]["first_divergence"] == {"step": 0, "kind": "grad", "microbatch": None,
-                                             "name": "decoder.layers.3.self_attention.linear_q_down_proj.weight"}
+                                             "name": "decoder.layers.3.self_attention.linear_q_down_proj.weight",
+                                             "ulp": None}
     # swapped backward order of microbatches 1 and 2 on the stage holding layers 2-3: their grads move
     assert v["swap"]["verdict"] == "fail"
     fd = v["swap"]["first_divergence"]

@@ -1,0 +1,92 @@
+"""What a run's bits depend on besides the code and the case: the machine's arithmetic.
+
+Two machines of the same kind can round one sum differently: another CPU model (AMD / Intel), another ATen
+CPU kernel set (``ATEN_CPU_CAPABILITY``: default / avx2 / avx512), another BLAS or BLAS code path
+(``MKL_CBWR``), another thread count, another GPU or cuBLAS.  `arithmetic_facts` records them in every
+manifest and in the report's environment block, so a verdict that differs between two machines can be traced
+to the setting that differs.  Every fact is read defensively: a missing one is ``"unknown"``, never an error.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import re
+from pathlib import Path
+
+#: Environment variables that select another arithmetic on the same machine (recorded as set or unset).
+ARITHMETIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
+                  "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE")
+
+
+def cpu_model() -> str:
+    """The CPU's model name ('AMD EPYC 9654 96-Core Processor'), from /proc/cpuinfo on Linux."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _blas(config: str) -> dict:
+    """BLAS name and version from ``torch.__config__.show()`` (the build's BLAS_INFO and its MKL line)."""
+    info = re.search(r"BLAS_INFO=(\w+)", config)
+    mkl = re.search(r"Math Kernel Library Version ([^\n]+)", config)
+    return {"blas": info.group(1) if info else "unknown",
+            "blas_version": mkl.group(1).strip() if mkl else "unknown"}
+
+
+def _cublas_version() -> str:
+    """cuBLAS's own version (major*10000+minor*100+patch decoded), from the library torch loaded."""
+    for name in ("libcublas.so", "libcublas.so.13", "libcublas.so.12", "libcublas.so.11"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        v = ctypes.c_int()
+        try:
+            if lib.cublasGetProperty(0, ctypes.byref(v)) == 0:   # MAJOR_VERSION
+                parts = [v.value]
+                for prop in (1, 2):                              # MINOR_VERSION, PATCH_LEVEL
+                    lib.cublasGetProperty(prop, ctypes.byref(v))
+                    parts.append(v.value)
+                return ".".join(map(str, parts))
+        except AttributeError:
+            continue
+    return "unknown"
+
+
+def arithmetic_facts() -> dict:
+    """The facts that decide how floating-point results round on this machine (strings and ints, JSON-ready).
+
+    Keys: ``cpu_model``, ``aten_cpu_capability`` (the kernel set ATen dispatches to, after
+    ``ATEN_CPU_CAPABILITY``), ``blas`` / ``blas_version``, ``mkl_cbwr`` (MKL's conditional numerical
+    reproducibility branch, ``unset`` = automatic), ``torch_num_threads`` (this process; the ranks set the
+    case's ``num_threads``), ``env`` ({variable: value} of `ARITHMETIC_ENV` that are set), and with a CUDA
+    device ``gpu``, ``cuda``, ``cudnn``, ``cublas``.  Never raises.
+    """
+    import torch
+
+    facts: dict = {"cpu_model": cpu_model()}
+    try:
+        facts["aten_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        facts["aten_cpu_capability"] = "unknown"
+    try:
+        facts.update(_blas(torch.__config__.show()))
+    except (AttributeError, RuntimeError):
+        facts.update(blas="unknown", blas_version="unknown")
+    facts["mkl_cbwr"] = os.environ.get("MKL_CBWR", "unset")
+    facts["torch_num_threads"] = torch.get_num_threads()
+    facts["env"] = {k: os.environ[k] for k in ARITHMETIC_ENV if k in os.environ}
+    if torch.cuda.is_available():
+        try:
+            facts["gpu"] = torch.cuda.get_device_name(0)
+            facts["cuda"] = torch.version.cuda or "unknown"
+            facts["cudnn"] = str(torch.backends.cudnn.version())
+            facts["cublas"] = _cublas_version()
+        except RuntimeError as e:          # a broken driver must not stop the report
+            facts["gpu"] = f"unknown ({e})"
+    return facts
