@@ -383,7 +383,7 @@ def _md_cell(s: Any) -> str:
 def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str:
     """A short Markdown verdict table for a CI job page, with a link to the HTML report.
 
-    Columns: variant, layout, P, V, reductions, clip, expect, verdict, first divergence.  Every name and
+    Columns: variant, layout, P, V, reductions, clip, expect, verdict (+ outcome words), first divergence.  Every name and
     reason (case, baseline, variants, layouts, errors) goes through `_md_cell`, so that names containing
     markup, ``|``, backticks or newlines neither render as HTML or Markdown nor break the table.
     """
@@ -411,7 +411,8 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
             fd = _md_cell(fd)
         lines.append(f"| {name} | {_md_cell(v.layout)} | {int(v.pp)} | {int(v.vpp)} | "
                      f"{_md_cell(v.reductions)} | {_md_cell(clip_words(v.clip_grad))} | "
-                     f"{_md_cell(v.expect)} | {_VERDICT_MD.get(v.verdict, _md_cell(v.verdict))} | {fd} |")
+                     f"{_md_cell(v.expect)} | {_VERDICT_MD.get(v.verdict, _md_cell(v.verdict))}"
+                     f"{' ' + _md_cell(v.outcome) if v.outcome else ''} | {fd} |")
     lines += ["", f"[Full report]({report_link.replace(' ', '%20').replace(')', '%29')})", ""]
     return "\n".join(lines)
 

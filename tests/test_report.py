@@ -1124,3 +1124,15 @@ def test_summary_json_run_to_run_and_ulp_evidence():
     assert json.loads(json.dumps(s, allow_nan=False)) == s
     plain = report.summary_dict(make_result())["variants"]
     assert all(v["run_to_run"] == {} and v["ulp_evidence"] == [] and v["evidence_error"] == "" for v in plain)
+
+
+def test_outcome_words_reach_markdown_html_and_summary_json():
+    """The verdict says whether the expectation held; the outcome words say what happened (may_diverge)."""
+    r = make_result()
+    r.variants[1].expect, r.variants[1].outcome = "may_diverge", "differs only where allowed"
+    r.variants[1].reason = "differs only where allowed: grad norm, step 1, 1 ULP"
+    row = next(ln for ln in report.markdown_summary(r).splitlines() if "vpp2" in ln)
+    assert "| may\\_diverge |" in row and "pass differs only where allowed |" in row
+    assert report.summary_dict(r)["variants"][1]["outcome"] == "differs only where allowed"
+    html = report.render_html(r)
+    assert "differs only where allowed" in html and "or a first divergence only where allowed" in html
