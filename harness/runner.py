@@ -2,7 +2,10 @@
 
 Ranks are forked from a forkserver that has already imported torch and the trainer
 (``set_forkserver_preload``), so a 16-rank run does not pay 16 torch imports.  The watchdog ends the run
-as soon as any rank exits non-zero or the timeout passes, then terminates, kills and reaps every rank.
+as soon as any rank exits non-zero or the timeout passes, then terminates, kills and reaps every rank; on a
+timeout it first asks every stuck rank where it waits (`_stacks`), under either launcher.  Should the harness
+itself die (any signal, SIGKILL included), the forkserver, torchrun and every rank die with it
+(`reference_impl.worker.die_with_parent`).
 """
 from __future__ import annotations
 
@@ -40,17 +43,17 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def _stacks(procs, ranks, run_dir: Path) -> str:
-    """Ask hung ranks for their Python stacks (SIGUSR1 -> faulthandler into the rank log) and return the
-    innermost frames of each, so a timeout says where every rank waits."""
-    for r in ranks:
+def _stacks(pids: dict[int, int], run_dir: Path) -> str:
+    """Ask hung ranks ({rank: pid}) for their Python stacks (SIGUSR1 -> faulthandler into the rank log) and
+    return the innermost frames of each, so a timeout says where every rank waits."""
+    for pid in pids.values():
         try:
-            os.kill(procs[r].pid, signal.SIGUSR1)
+            os.kill(pid, signal.SIGUSR1)
         except (ProcessLookupError, TypeError):
             pass
     time.sleep(1.0)
     lines = []
-    for r in ranks:
+    for r in sorted(pids):
         frames = [l.strip() for l in tail(run_dir / f"rank{r}.log", 60).splitlines() if l.strip().startswith("File ")]
         where = frames[0] if frames else "(no stack)"
         lines.append(f"rank {r} waits in: {where}")
@@ -93,9 +96,37 @@ def _first_failure(run_dir: Path, world: int) -> str:
     return ""
 
 
+def _torchrun_ranks(agent: int) -> dict[int, int]:
+    """{rank: pid} of the running (not zombie) workers under the torchrun process `agent`: its descendants
+    whose environment holds RANK (torchrun sets it; /proc, no psutil)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        try:
+            _, rest = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)
+            if rest.split()[0] != "Z":
+                children.setdefault(int(rest.split()[1]), []).append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue                                        # not a process, or gone meanwhile
+    ranks, todo = {}, list(children.get(agent, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((v[5:] for v in env if v.startswith(b"RANK=")), None)
+        if rank is not None:
+            ranks[int(rank)] = pid
+    return ranks
+
+
 def run_torchrun(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
     """Launch the ranks with ``torchrun --standalone --nproc-per-node P*EP`` (one process per rank, rank and
-    world from the environment, local rank r on ``cuda:r``) under the same watchdog."""
+    world from the environment, local rank r on ``cuda:r``) under the same watchdog.  torchrun dies with the
+    harness (and its workers with it, `reference_impl.worker.main`)."""
+    from reference_impl.worker import die_with_parent
+
     world = cfg.parallel.world_size
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir / "config.json"
@@ -104,13 +135,17 @@ def run_torchrun(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
            "-m", "reference_impl.worker", str(cfg_path), str(run_dir)]
     start = time.monotonic()
     with open(run_dir / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        harness = os.getpid()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(harness))
         try:
             code = proc.wait(timeout=timeout_s)
             error = None if code == 0 else (f"torchrun exited with code {code}; " +
                                             (_first_failure(run_dir, world) or tail(run_dir / "torchrun.log")))
         except subprocess.TimeoutExpired:
-            error = f"timeout after {timeout_s:.0f} s (torchrun)"
+            pids = _torchrun_ranks(proc.pid)
+            error = (f"timeout after {timeout_s:g} s (torchrun); ranks still running: {sorted(pids)}\n"
+                     + _stacks(pids, run_dir))
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -147,7 +182,8 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "
             left = timeout_s - (time.monotonic() - start)
             if left <= 0:
                 alive = sorted(pending.values())
-                error = f"timeout after {timeout_s:g} s; ranks still running: {alive}\n" + _stacks(procs, alive, run_dir)
+                error = (f"timeout after {timeout_s:g} s; ranks still running: {alive}\n"
+                         + _stacks({r: procs[r].pid for r in alive}, run_dir))
                 break
             for sentinel in mp.connection.wait(list(pending), timeout=min(left, 1.0)):
                 r = pending.pop(sentinel)

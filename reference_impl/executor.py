@@ -7,7 +7,9 @@ A send immediately followed by a receive is posted with it in one ``batch_isend_
 ``send_forward_recv_backward``); any other send is posted alone before the next compute.  NCCL needs this
 pairing: it matches p2p ops per peer in posting order (tags are ignored), and a group holding two sends
 whose receives sit in different groups of the peer fails.  On gloo, messages also carry a tag made of
-(direction, stage, microbatch), so a receive can only ever match its own message.  After each backward the chunk's ``.grad`` is added to
+(direction, stage, microbatch), so a receive can only ever match its own message.  Every send is checked
+against the schedule's shape first (`BoundaryShapeError`): the receiver allocates exactly that shape.  After
+each backward the chunk's ``.grad`` is added to
 ``main_grad`` (fp32), so every parameter accumulates microbatches in ascending order (the schedule
 guarantees the order; megatron-semantics §4 "Gradient accumulation").
 """
@@ -22,6 +24,10 @@ from .model.chunk import Microbatch, StageChunk
 from .model.losses import LossOutput
 from .model.plan import ChunkPlan, run_combined
 from .schedule import Action
+
+
+class BoundaryShapeError(RuntimeError):
+    """A tensor about to cross a pipeline boundary differs in shape from the schedule's (which both sides use)."""
 
 
 def _tag(direction: str, sender_stage: int, microbatch: int, num_microbatches: int) -> int:
@@ -52,8 +58,25 @@ class StepExecutor:
         self.chunks, self.m, self.transport, self.dtype = chunks, num_microbatches, transport, dtype
         self.inject, self.probe, self.overlap, self.delay_wgrad = inject, probe, overlap, delay_wgrad
 
+    def _check_send(self, a: Action, t: torch.Tensor) -> None:
+        """Raises `BoundaryShapeError` naming the boundary when `t`, the tensor `a` sends, does not have the
+        schedule's shape.  The receiver allocates the schedule's shape, so gloo would abort it on a bigger
+        message ("8192 vs 4096", no context) and fill a smaller one only partly; checking on the sender costs
+        no message and moves no bit."""
+        if tuple(t.shape) == tuple(a.shape):
+            return
+        pp = self.transport.pipeline_size
+        forward = a.op == "SEND_F"
+        receiver = a.stage + 1 if forward else a.stage - 1
+        where = lambda s: f"stage {s} (pp rank {s % pp}, virtual stage {s // pp})"  # noqa: E731
+        raise BoundaryShapeError(
+            f"pipeline boundary shape mismatch: {'forward activation' if forward else 'backward gradient'} of "
+            f"microbatch {a.microbatch}, {where(a.stage)} -> {where(receiver)}: receiver expects "
+            f"{list(a.shape)} (schedule), sender has {list(t.shape)}")
+
     def run(self, actions: list[Action], microbatches: list[Microbatch]) -> list[LossOutput]:
-        """Execute one step's `actions` in order; returns this rank's per-microbatch `LossOutput` s (loss stage)."""
+        """Execute one step's `actions` in order; returns this rank's per-microbatch `LossOutput` s (loss stage).
+        Raises `BoundaryShapeError` when a tensor to send differs from the schedule's shape."""
         inputs: dict = {}       # (stage, mb) -> received activation (requires grad)
         plans: dict = {}        # (stage, mb) -> ChunkPlan kept for backward
         grads_in: dict = {}     # (stage, mb) -> received output gradient
@@ -112,11 +135,13 @@ class StepExecutor:
                 end_backward(a.b_stage, a.b_microbatch, b_plan)
             elif a.op == "SEND_F":
                 out = plans[key].output.detach()
+                self._check_send(a, out)
                 if self.probe is not None:
                     self.probe.boundary("F", a.stage, a.microbatch, "send", out)
                 pending.append((out, a.peer, _tag("F", a.stage, a.microbatch, self.m)))
             elif a.op == "SEND_B":
                 g = grads_out.pop(key)
+                self._check_send(a, g)
                 if self.probe is not None:
                     self.probe.boundary("B", a.stage, a.microbatch, "send", g)
                 pending.append((g, a.peer, _tag("B", a.stage, a.microbatch, self.m)))

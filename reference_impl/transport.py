@@ -60,6 +60,11 @@ class Transport:
         return pp_rank * self.expert_model_parallel_size + self.ep_rank
 
     @property
+    def pipeline_size(self) -> int:
+        """P: the world (P x EP ranks) over the EP size."""
+        return dist.get_world_size() // self.expert_model_parallel_size
+
+    @property
     def description(self) -> str:
         """One line for logs and the manifest: which backend and placement this rank uses."""
         if self.device.type == "cpu":

@@ -1,0 +1,194 @@
+"""The runner under broken trainers and a dying harness: a wrong pipeline boundary shape is named (stages,
+microbatch, direction, both shapes) instead of ending as a gloo abort, a torchrun timeout says where every
+stuck rank waits, and no forkserver, torchrun or rank process outlives a harness killed by any signal."""
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+# One run through harness.runner.run_ranks in a fresh interpreter: the ranks must see a planted defect
+# (sitecustomize on PYTHONPATH, imported by every process of the run), and a fresh process also gets its own
+# forkserver started under that environment.
+SCRIPT = textwrap.dedent("""\
+    import json, sys
+    from pathlib import Path
+    from harness.runner import run_ranks
+    from reference_impl.config import RunConfig
+
+    def main():
+        layout, pp, inject, launcher, timeout, out = sys.argv[1:]
+        cfg = RunConfig.model_validate({
+            "model": {"num_layers": 4, "moe_layer_freq": "[0]*1+[1]*3", "hidden_size": 32, "mtp_num_layers": 1},
+            "training": {"train_iters": 1, "seq_length": 16, "micro_batch_size": 2, "num_microbatches": 4},
+            "parallel": {"pipeline_model_parallel_layout": layout, "pipeline_model_parallel_size": int(pp)},
+            "inject": inject or None})
+        o = run_ranks(cfg, Path(out), float(timeout), launcher)
+        print(json.dumps({"ok": o.ok, "error": o.error}))
+
+    if __name__ == "__main__":
+        main()
+    """)
+
+# A planted schedule defect: every boundary of the chosen direction gets [s, b, h], the MTP stage's
+# [(1+D)s, b, h] forgotten, on the sender's and the receiver's side alike (so the dry-run still agrees).
+PLANT = textwrap.dedent("""\
+    import dataclasses
+    import reference_impl.schedule as schedule
+
+    _build = schedule.build_schedule
+
+    def build_schedule(layout, num_microbatches, seq_length, micro_batch_size, hidden_size, overlap=False):
+        lists = _build(layout, num_microbatches, seq_length, micro_batch_size, hidden_size, overlap)
+        wrong = (seq_length, micro_batch_size, hidden_size)
+        return [[dataclasses.replace(a, shape=wrong) if a.op.endswith({direction!r}) and a.op[:4] in ("SEND", "RECV")
+                 else a for a in actions] for actions in lists]
+
+    schedule.build_schedule = build_schedule
+    """)
+
+
+def _run(tmp_path: Path, layout: str, pp: int, inject: str = "", launcher: str = "fork", timeout: float = 60,
+         plant: str | None = None) -> dict:
+    script = tmp_path / "run_one.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ)
+    if plant is not None:
+        (tmp_path / "plant").mkdir()
+        (tmp_path / "plant" / "sitecustomize.py").write_text(plant)
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "plant"), str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), layout, str(pp), inject, launcher, str(timeout),
+                           str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _state(pid: int) -> str | None:
+    """Process state letter from /proc (None: no such process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in (None, "Z")
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _rank_pids(run_dir: Path) -> list[int]:
+    pids = []
+    for log in run_dir.rglob("rank*.log"):
+        words = log.read_text(errors="replace").split(" pid ", 1)
+        if len(words) == 2:
+            pids.append(int(words[1].split(":")[0]))
+    return pids
+
+
+@pytest.mark.parametrize("direction, layout, sender, receiver", [
+    # standalone MTP stage 2 sends [(1+D)s, b, h] forward to the loss stage
+    ("F", "Et|tt|tm|L", "stage 2 (pp rank 2, virtual stage 0)", "stage 3 (pp rank 3, virtual stage 0)"),
+    # interleaved: the loss stage 7 (pp rank 3, second virtual stage) sends the MTP stage's gradient back
+    ("B", "E|t|t|t|t||m|L", "stage 7 (pp rank 3, virtual stage 1)", "stage 6 (pp rank 2, virtual stage 1)"),
+])
+def test_wrong_boundary_shape_names_the_boundary(tmp_path, direction, layout, sender, receiver):
+    out = _run(tmp_path, layout, 4, plant=PLANT.format(direction=direction))
+    assert not out["ok"]
+    line = out["error"].splitlines()[0]
+    what = "forward activation" if direction == "F" else "backward gradient"
+    assert f"{what} of microbatch 0" in line, line
+    assert f"{sender} -> {receiver}" in line, line
+    assert "receiver expects [16, 2, 32]" in line and "sender has [32, 2, 32]" in line, line
+    assert "gloo" not in line and "code -6" not in line, line
+
+
+def test_torchrun_timeout_names_stuck_ranks(tmp_path):
+    out = _run(tmp_path, "Et|tt|tm|L", 4, inject="hang_rank", launcher="torchrun", timeout=20)
+    err = out["error"]
+    assert err.startswith("timeout after 20 s (torchrun); ranks still running: [0, 1, 2, 3]"), err
+    where = {int(l.split()[1]): l for l in err.splitlines() if l.startswith("rank ") and " waits in: " in l}
+    assert sorted(where) == [0, 1, 2, 3], err
+    assert "faults.py" in where[3], err                       # the planted hang: time.sleep in faults
+    assert all("(no stack)" not in l for l in where.values()), err
+    pids = _rank_pids(tmp_path / "run")
+    assert len(pids) == 4 and not any(_alive(p) for p in pids)
+
+
+HANG = textwrap.dedent("""\
+    name: orphans
+    timeout_s: 300
+    model: {num_layers: 4, moe_layer_freq: "[0]*1+[1]*3"}
+    training: {train_iters: 1, seq_length: 16, num_microbatches: 4}
+    baseline: {name: base, pipeline_model_parallel_layout: "Ett|ttmL", pipeline_model_parallel_size: 2,
+               inject: hang_rank}
+    variants:
+      - {name: other, pipeline_model_parallel_layout: "Et*4mL", pipeline_model_parallel_size: 1}
+    """)
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@pytest.mark.parametrize("launcher, sig", [("fork", signal.SIGKILL), ("fork", signal.SIGHUP),
+                                           ("torchrun", signal.SIGKILL)])
+def test_no_process_outlives_a_killed_harness(tmp_path, launcher, sig):
+    case = tmp_path / "orphans.yaml"
+    case.write_text(HANG)
+    libc = ctypes.CDLL(None, use_errno=True)
+    # orphans are re-parented to this process (not init), so the test can reap whatever it started
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    harness = subprocess.Popen([sys.executable, "-m", "harness", "verify", str(case), "--out", str(tmp_path / "out"),
+                                "--launcher", launcher], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while len(_rank_pids(tmp_path / "out")) < 2:        # both ranks of the hanging baseline are training
+            assert harness.poll() is None and time.monotonic() < deadline, "ranks never started"
+            time.sleep(0.2)
+        tree = set(_descendants(harness.pid))
+        assert set(_rank_pids(tmp_path / "out")) <= tree
+        harness.send_signal(sig)
+        harness.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in tree if _alive(p)}
+        assert not left, f"outlived the harness (killed by {sig.name}): {left}"
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+            harness.wait()
+        for p in tree:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        for p in tree:
+            try:
+                os.waitpid(p, 0)
+            except ChildProcessError:       # not ours (reaped by its own parent) or already reaped
+                pass
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
