@@ -34,10 +34,13 @@ starts from another case and deep-merges this file's mappings over it)::
         inject: grad_bit_flip        # test-only planted fault (reference_impl.faults); --inject sets it for all
 
 Every layout is parsed and validated and every schedule is dry-run (`reference_impl.schedule.simulate`)
-here, before anything runs or is written.
+here, before anything runs or is written.  Sizes are bounded first (`harness.bounds`: the file and its YAML alias
+expansion, P x EP ranks, P x V x num_microbatches; `reference_impl.config`: finite floats, model sizes), so a
+case that passes cannot exhaust memory or processes later.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -48,17 +51,19 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from reference_impl import faults
-from reference_impl.config import (ModelConfig, ParallelConfig, RunConfig, TrainingConfig, check_expert_parallel,
-                                   overlap_problem)
+from reference_impl.config import (MAX_GPUS, MAX_TIMEOUT_S, ModelConfig, ParallelConfig, RunConfig, TrainingConfig,
+                                   check_expert_parallel, overlap_problem)
 from reference_impl.data import DataError, TokenDataset
 from reference_impl.layout import LayoutError, PipelineLayout
 from reference_impl.schedule import ScheduleError, build_schedule, simulate
 
+from . import bounds
 from .errors import UsageError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan=False: `timeout_s: .inf` would let a hung rank hang forever
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -86,6 +91,7 @@ class ExpectedDivergence(_Strict):
     step: Optional[int] = Field(None, ge=0)     # None: any step
     kind: Literal["inventory", "loss", "grad", "grad_norm", "param"]
     name: Optional[str] = None
+    _name_printable = field_validator("name")(bounds.printable)
     microbatch: Optional[int] = None
     max_ulp: Optional[int] = Field(None, ge=0)
 
@@ -96,6 +102,7 @@ class ResumeSpec(_Strict):
 
     variant: str
     after_step: int = Field(ge=0)
+    _variant_printable = field_validator("variant")(bounds.printable)
 
 
 class VariantSpec(_Strict):
@@ -120,6 +127,8 @@ class VariantSpec(_Strict):
     compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
     repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
     resume: Optional[ResumeSpec] = None  # start from another run's checkpoint
+    # names reach the terminal and the report: an ANSI escape or a newline in one is rejected, not printed
+    _names_printable = field_validator("name", "compare_to", "inject")(bounds.printable)
 
 
 class CaseSpec(_Strict):
@@ -127,10 +136,10 @@ class CaseSpec(_Strict):
 
     name: Optional[str] = None
     description: str = ""
-    timeout_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
     device: Literal["cpu", "cuda"] = "cpu"
     params_dtype: Optional[Literal["float32", "bfloat16"]] = None   # default: float32 on cpu, bfloat16 on cuda
-    num_gpus: Optional[int] = Field(None, ge=1)                      # cuda: GPUs to spread ranks over
+    num_gpus: Optional[int] = Field(None, ge=1, le=MAX_GPUS)         # cuda: GPUs to spread ranks over
     capture: Literal["full", "activations"] = "full"                 # activations: in-step fingerprints too
     model: ModelConfig
     training: TrainingConfig = TrainingConfig()
@@ -169,8 +178,10 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     """Read, validate and plan a case file.  `only` keeps the named variants (the baseline always runs).
 
     Raises:
-        UsageError: missing file, YAML syntax, schema violation, invalid layout or option, impossible
-            schedule, duplicate or unknown variant names — one line naming the file and the place.
+        UsageError: missing or unreadable file, YAML syntax, oversized file or alias expansion, schema
+            violation (non-finite or out-of-bounds numbers, non-printable names), invalid layout or option,
+            impossible or oversized schedule, too many ranks, duplicate or unknown variant names, a compare_to
+            cycle — one line naming the file and the place.
     """
     path = Path(path)
     raw = _read_yaml(path, seen=())
@@ -194,7 +205,7 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     if not spec.variants:
         raise UsageError(f"{path}: no variants: nothing to compare with the baseline")
     names = [spec.baseline.name] + [v.name for v in spec.variants]
-    dup = {n for n in names if names.count(n) > 1}
+    dup = {n for n, k in Counter(names).items() if k > 1}      # linear: a case may list thousands
     if dup:
         raise UsageError(f"{path}: duplicate variant name {sorted(dup)[0]!r}")
     for v in spec.variants:
@@ -202,6 +213,12 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
             raise UsageError(f"{path}: variant {v.name!r}: compare_to {v.compare_to!r} is not a variant")
         if v.compare_to == v.name:
             raise UsageError(f"{path}: variant {v.name!r}: compare_to names itself")
+    # a cycle (a -> b -> a) would leave every run on it uncompared with the baseline
+    cycle = bounds.compare_to_cycle({v.name: v.compare_to for v in spec.variants})
+    if cycle:
+        raise UsageError(f"{path}: compare_to cycle {' -> '.join(map(repr, cycle))}: every chain of compare_to "
+                         "must end at the baseline")
+    for v in spec.variants:
         if v.resume is not None:
             src = next((x for x in [spec.baseline] + spec.variants if x.name == v.resume.variant), None)
             if src is None or src.resume is not None or src.name == v.name:
@@ -244,17 +261,15 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 def _read_yaml(path: Path, seen: tuple) -> dict:
     """Load a case mapping; ``extends: other.yaml`` (relative to this file) deep-merges this file over it.
-    Top-level keys starting with ``x-`` only hold YAML anchors and are dropped."""
-    if path.is_dir():
-        raise UsageError(f"{path}: is a directory, not a case file")
-    if not path.is_file():
-        raise UsageError(f"{path}: no such case file")
+    Top-level keys starting with ``x-`` only hold YAML anchors and are dropped.  Each file's size and alias
+    expansion are bounded (`harness.bounds`) before anything is merged."""
+    text = bounds.read_case_text(path)
     if path.resolve() in seen:
         raise UsageError(f"{path}: 'extends' cycle")
+    if len(seen) >= bounds.MAX_EXTENDS:
+        raise UsageError(f"{path}: 'extends' chain longer than {bounds.MAX_EXTENDS} files")
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except UnicodeDecodeError:
-        raise UsageError(f"{path}: not a text (UTF-8) file") from None
+        raw = bounds.load_yaml(path, text, _UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -280,6 +295,8 @@ def _check_data(path: Path, spec: CaseSpec) -> None:
         TokenDataset(data, 0, spec.training.seq_length, 1, spec.model.vocab_size)
     except DataError as e:
         raise UsageError(f"{path}: training.{e}") from None
+    except OSError as e:        # unreadable file: name it, not "internal error: PermissionError"
+        raise UsageError(f"{path}: training.data.path {data.path}: {bounds.os_reason(e)}") from None
 
 
 def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject: Optional[str]) -> PlannedRun:
@@ -303,9 +320,15 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
             TokenDataset(training.data, 0, training.seq_length, 1, spec.model.vocab_size)
         except DataError as e:
             raise UsageError(f"{where}: options.{e}") from None
+        except OSError as e:
+            raise UsageError(f"{where}: options.data.path {training.data.path}: {bounds.os_reason(e)}") from None
+    P, EP = v.pipeline_model_parallel_size, v.expert_model_parallel_size
+    bounds.check_run_size(where, P, EP)
     try:
-        layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, v.pipeline_model_parallel_size,
+        layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, P,
                                             spec.model.num_layers, spec.model.mtp_num_layers)
+        # before the schedule is built: its size is P x V x M actions (P=1024 x 4096 was a MemoryError)
+        bounds.check_run_size(where, P, EP, layout.virtual_pipeline_model_parallel_size, training.num_microbatches)
         simulate(build_schedule(layout, training.num_microbatches, training.seq_length,
                                 training.micro_batch_size, spec.model.hidden_size,
                                 v.overlap_moe_expert_parallel_comm))

@@ -1,16 +1,19 @@
 """Command line: ``bitparity verify | layout explain | schedule explain`` (also ``python -m harness``).
 
 Exit codes: 0 every expectation holds; 1 at least one does not (fail or error verdict);
-2 bad input or a harness error — one line on stderr, no traceback, nothing written.
+2 bad input or a harness error — one line on stderr, no traceback, nothing written.  An OSError becomes a line
+naming its path (``--out /x: permission denied``); non-printable characters in any error line are escaped.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import signal
 import sys
 from pathlib import Path
 
+from . import bounds
 from .errors import UsageError
 
 
@@ -110,12 +113,14 @@ def _schedule_explain(args) -> int:
 def _verify(args, argv) -> int:
     from .cases import load_case
     from .verify import verify
+    from reference_impl.config import MAX_TIMEOUT_S
     plan = load_case(args.case, only=args.only, inject=args.inject,
                      overrides={"device": args.device, "num_gpus": args.num_gpus})
-    if args.timeout is not None and not (0 < args.timeout < float("inf")):
-        raise UsageError("--timeout must be a positive number of seconds")
-    result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
-                    launcher=args.launcher, evidence_all=args.evidence)
+    if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
+        raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
+    with _out_errors(args.out):
+        result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
+                        launcher=args.launcher, evidence_all=args.evidence)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
     print(f"{plan.name}: {n_pass}/{len(result.variants)} pass in {result.elapsed_s:.1f} s; "
           f"report: {Path(args.out) / plan.name / 'index.html'}")
@@ -129,15 +134,17 @@ def _fuzz(args, argv) -> int:
     from .fuzz import fuzz, parse_budget
     from .verify import verify
     budget = parse_budget(args.budget)
-    if args.max_pp < 1 or args.max_vpp < 1:
-        raise UsageError("--max-pp and --max-vpp must be >= 1")
+    if not (1 <= args.max_pp <= bounds.MAX_WORLD_SIZE and 1 <= args.max_vpp <= 64):
+        raise UsageError(f"--max-pp must be in 1..{bounds.MAX_WORLD_SIZE} (rank processes on this machine) and "
+                         "--max-vpp in 1..64")
     try:
         faults.check(args.inject)
     except faults.FaultError as e:
         raise UsageError(str(e)) from None
     plan = load_case(args.case, overrides={"training": {"reductions": args.reductions}} if args.reductions else None)
     out = Path(args.out)
-    res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp)
+    with _out_errors(args.out):
+        res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp)
     print(f"{plan.name}: tried {res.tried} layouts ({len(res.grids)} distinct stage grids) in {res.elapsed_s:.0f} s "
           f"= {res.per_minute:.1f} layouts/min; {res.compute_s / max(res.tried, 1):.2f} s per layout")
     if res.failure is None:
@@ -146,9 +153,30 @@ def _fuzz(args, argv) -> int:
     print(f"minimal failing layout: {res.failure['layout']} (P={res.failure['pp']}): {res.failure['why']}")
     print(f"case: {res.minimal_case}")
     mplan = load_case(res.minimal_case)
-    verify(mplan, out, command="bitparity " + shlex.join(["verify", str(res.minimal_case)]))
+    with _out_errors(args.out):
+        verify(mplan, out, command="bitparity " + shlex.join(["verify", str(res.minimal_case)]))
     print(f"report: {out / mplan.name / 'index.html'}")
     return 1
+
+
+@contextlib.contextmanager
+def _out_errors(out: str):
+    """Turn an OSError under --out into one line naming --out (not "internal error: PermissionError")."""
+    try:
+        yield
+    except OSError as e:
+        where = Path(e.filename) if isinstance(e.filename, (str, Path)) else None
+        root = Path(out)
+        if where is None or not (where == root or root in where.parents):
+            raise                               # not about --out: main() names its path
+        detail = "" if where == root else f" ({where})"
+        raise UsageError(f"--out {out}: {bounds.os_reason(e)}{detail}") from None
+
+
+def _one_line(text: str) -> str:
+    """Escape non-printable characters (ANSI escapes, newlines from a file name) so the error is one line and
+    cannot drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,13 +196,17 @@ def main(argv: list[str] | None = None) -> int:
             return _layout_explain(args)
         return _schedule_explain(args)
     except UsageError as e:
-        print(f"bitparity: error: {e}", file=sys.stderr)
+        print(_one_line(f"bitparity: error: {e}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("bitparity: interrupted", file=sys.stderr)
         return 2
+    except OSError as e:                       # unreadable / unwritable file: name it
+        name = e.filename if e.filename is not None else type(e).__name__
+        print(_one_line(f"bitparity: error: {name}: {bounds.os_reason(e)}"), file=sys.stderr)
+        return 2
     except Exception as e:                     # a harness bug: still one line and exit 2
-        print(f"bitparity: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(_one_line(f"bitparity: internal error: {type(e).__name__}: {e}"), file=sys.stderr)
         return 2
 
 

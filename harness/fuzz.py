@@ -24,10 +24,14 @@ from reference_impl.schedule import ScheduleError, check_sizes
 
 from .cases import CasePlan
 from .compare import compare
+from . import bounds
 from .errors import UsageError
 from .runner import run_ranks
 from .strategies import layouts
 from .trace import TraceError, merge
+
+
+MAX_BUDGET_S = 7 * 86_400.0
 
 
 class _Differs(AssertionError):
@@ -53,14 +57,18 @@ class FuzzResult:
 
 
 def parse_budget(text: str) -> float:
-    """'90s', '10m', '1h' or plain seconds -> seconds.  Raises UsageError."""
+    """'90s', '10m', '1h' or plain seconds -> seconds.
+
+    Raises:
+        UsageError: unparsable, or not in (0, MAX_BUDGET_S] (so 'nan', 'inf', '1e400' never mean "forever").
+    """
     units = {"s": 1, "m": 60, "h": 3600}
     try:
         value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
     except ValueError:
         raise UsageError(f"--budget {text!r}: expected e.g. 90s, 10m, 1h") from None
-    if value <= 0:
-        raise UsageError(f"--budget {text!r} must be positive")
+    if not (0 < value <= MAX_BUDGET_S):      # written so that nan fails too
+        raise UsageError(f"--budget {text!r} must be positive and at most {MAX_BUDGET_S // 3600:.0f}h")
     return value
 
 
@@ -96,7 +104,8 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
             layout = PipelineLayout.from_string(text, pp, model.num_layers, model.mtp_num_layers)
             try:
                 check_sizes(pp, layout.virtual_pipeline_model_parallel_size, t.num_microbatches)
-            except ScheduleError:
+                bounds.check_run_size("", pp, 1, layout.virtual_pipeline_model_parallel_size, t.num_microbatches)
+            except (ScheduleError, UsageError):   # impossible, or too large a schedule: draw another
                 reject()
             cfg = base_cfg.model_copy(update={"inject": inject, "parallel": ParallelConfig(
                 pipeline_model_parallel_layout=text, pipeline_model_parallel_size=pp)})

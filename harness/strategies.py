@@ -42,6 +42,7 @@ strategy of ints (drawn, combinations that cannot hold a valid layout are reject
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterable, Optional, Sequence, Union
 
 from hypothesis import assume
@@ -229,10 +230,10 @@ def stage_grids(num_layers: int, mtp_num_layers: int, pp: SizeArg = None, vpp: S
     * ``allow_empty_stages``: False gives only grids without empty stages (fewer sizes are then possible).
     * ``mtp_placement``: None (any), ``"standalone"`` (MTP not on the loss rank: Megatron's
       ``config.mtp_standalone``, needs P >= 3) or ``"with_loss"`` (MTP in the loss stage).
-    * ``allow_displaced_ends``: also place empty stages before E's stage or after L's stage (``"|E|t|L"``,
-      ``"E|tm|L|"``). Megatron's validator accepts them (it checks E/L positions in flattened order only), but
-      its pre/post-processing follows the stage position, and the reference trainer's ``StageChunk`` expects
-      the first stage to embed and the last to compute the loss; off by default.
+    * ``allow_displaced_ends``: deprecated, ignored (a ``DeprecationWarning`` when true). Empty stages before
+      E's stage or after L's stage (``"|E|t|L"``, ``"E|tm|L|"``) pass Megatron's validator (it checks E/L in
+      flattened order only), but Megatron embeds on the first stage and computes the loss on the last whatever
+      the string says, so `reference_impl.layout` now rejects them and no strategy generates them.
 
     Shrinks toward few stages (P = 1, V = 1), MTP with the loss, E and L in the first and last stage, and
     decoder layers packed together.
@@ -245,6 +246,12 @@ def stage_grids(num_layers: int, mtp_num_layers: int, pp: SizeArg = None, vpp: S
         raise InvalidArgument(f"mtp_placement must be None, 'standalone' or 'with_loss', got {mtp_placement!r}")
     if mtp_placement is not None and D == 0:
         raise InvalidArgument(f"mtp_placement={mtp_placement!r} needs mtp_num_layers > 0")
+    if allow_displaced_ends:
+        # kept so existing callers still work; every example must pass PipelineLayout.from_string
+        warnings.warn("stage_grids/layouts: allow_displaced_ends is deprecated and ignored: layouts with empty "
+                      "stages before E or after L are invalid (Megatron embeds on the first stage and computes "
+                      "the loss on the last)", DeprecationWarning, stacklevel=3)
+        allow_displaced_ends = False
     opts = (bool(allow_empty_stages), bool(allow_displaced_ends), mtp_placement)
     fixed = isinstance(pp, int) and not isinstance(vpp, st.SearchStrategy)
     if (fixed and not _v_list(T, D, pp, vpp, *opts)) or (pp is None and not _p_list(T, D, vpp, *opts)):

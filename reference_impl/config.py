@@ -13,11 +13,25 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Strict(BaseModel):
-    # strict: YAML `true` is not a layer count and "4" is not an int
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # strict: YAML `true` is not a layer count and "4" is not an int; allow_inf_nan=False: every float is
+    # finite (`.inf` / `.nan` would reach the ranks and train garbage, or never time out)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 _FREQ_TERM = re.compile(r"^\[\s*([01](?:\s*,\s*[01])*)\s*\](?:\s*\*\s*(\d+))?$")
+
+# Upper bounds on sizes, far above anything a CPU/GPU reference run can use (DeepSeek-V3 itself: vocab 129280,
+# hidden 7168, 61 layers, 256 experts), so a typo (`vocab_size: 1000000000`) is a one-line error naming the key
+# instead of an allocation failure inside every rank.
+MAX_VOCAB = 1 << 20
+MAX_WIDTH = 1 << 16          # hidden / ffn / LoRA ranks / head dims
+MAX_LAYERS = 1024
+MAX_EXPERTS = 4096
+MAX_TOKENS_PER_MICROBATCH = 1 << 20     # seq_length * micro_batch_size
+MAX_TRAIN_ITERS = 100_000
+MAX_MICROBATCHES = 4096
+MAX_TIMEOUT_S = 86_400.0     # a day: a larger watchdog is as good as none when a rank hangs
+MAX_GPUS = 1024
 
 
 def parse_moe_layer_freq(value: Union[int, str, list[int]], num_layers: int) -> list[int]:
@@ -27,7 +41,8 @@ def parse_moe_layer_freq(value: Union[int, str, list[int]], num_layers: int) -> 
     `num_layers`, or Megatron's string form such as ``"[0]*3+[1]*58"`` (parsed, never `eval`-ed).
 
     Raises:
-        ValueError: malformed string, or a list whose length differs from `num_layers`.
+        ValueError: malformed string, or a list whose length differs from `num_layers` (checked before a
+            string is expanded, so ``"[0]*999999999999"`` fails fast instead of exhausting memory).
     """
     if isinstance(value, int):
         if value < 1:
@@ -40,7 +55,12 @@ def parse_moe_layer_freq(value: Union[int, str, list[int]], num_layers: int) -> 
             if not m:
                 raise ValueError(f"moe_layer_freq {value!r}: cannot parse term {term.strip()!r} "
                                  "(expected e.g. '[0]*3+[1]*58')")
-            pattern += [int(x) for x in m.group(1).split(",")] * int(m.group(2) or 1)
+            digits = m.group(2) or "1"
+            unit = [int(x) for x in m.group(1).split(",")]
+            # compare before expanding (and before int() of a huge digit string)
+            if len(digits) > 9 or len(pattern) + len(unit) * int(digits) > num_layers:
+                raise ValueError(f"moe_layer_freq {value!r} expands to more than num_layers={num_layers} entries")
+            pattern += unit * int(digits)
         value = pattern
     if len(value) != num_layers:
         raise ValueError(f"moe_layer_freq has {len(value)} entries but num_layers is {num_layers}")
@@ -50,25 +70,25 @@ def parse_moe_layer_freq(value: Union[int, str, list[int]], num_layers: int) -> 
 class ModelConfig(_Strict):
     """DeepSeek-V3-structured MoE + MTP transformer (DeepSeek-V3 tech report §2; Megatron TransformerConfig)."""
 
-    vocab_size: int = Field(256, ge=2)
-    hidden_size: int = Field(32, ge=2)
-    num_layers: int = Field(4, ge=1)
+    vocab_size: int = Field(256, ge=2, le=MAX_VOCAB)
+    hidden_size: int = Field(32, ge=2, le=MAX_WIDTH)
+    num_layers: int = Field(4, ge=1, le=MAX_LAYERS)
     moe_layer_freq: Union[int, str, list[int]] = 1
     # MLA (DeepSeek-V3 §2.1.1; Megatron MLATransformerConfig)
-    num_attention_heads: int = Field(2, ge=1)
-    q_lora_rank: int = Field(16, ge=1)
-    kv_lora_rank: int = Field(16, ge=1)
-    qk_head_dim: int = Field(8, ge=1)
-    qk_pos_emb_head_dim: int = Field(8, ge=2)
-    v_head_dim: int = Field(8, ge=1)
+    num_attention_heads: int = Field(2, ge=1, le=1024)
+    q_lora_rank: int = Field(16, ge=1, le=MAX_WIDTH)
+    kv_lora_rank: int = Field(16, ge=1, le=MAX_WIDTH)
+    qk_head_dim: int = Field(8, ge=1, le=MAX_WIDTH)
+    qk_pos_emb_head_dim: int = Field(8, ge=2, le=MAX_WIDTH)
+    v_head_dim: int = Field(8, ge=1, le=MAX_WIDTH)
     rotary_base: float = Field(10000.0, gt=0)
     layernorm_epsilon: float = Field(1e-6, gt=0)
     # dense SwiGLU MLP of the first-k layers
-    ffn_hidden_size: int = Field(64, ge=1)
+    ffn_hidden_size: int = Field(64, ge=1, le=MAX_WIDTH)
     # MoE (DeepSeek-V3 §2.1.2; Megatron moe_utils.topk_routing_with_score_function)
-    num_moe_experts: int = Field(8, ge=1)
-    moe_ffn_hidden_size: int = Field(16, ge=1)
-    moe_shared_expert_intermediate_size: int = Field(16, ge=1)
+    num_moe_experts: int = Field(8, ge=1, le=MAX_EXPERTS)
+    moe_ffn_hidden_size: int = Field(16, ge=1, le=MAX_WIDTH)
+    moe_shared_expert_intermediate_size: int = Field(16, ge=1, le=MAX_WIDTH)
     moe_router_topk: int = Field(2, ge=1)
     moe_router_num_groups: int = Field(4, ge=1)
     moe_router_group_topk: int = Field(2, ge=1)
@@ -78,7 +98,7 @@ class ModelConfig(_Strict):
     moe_router_topk_scaling_factor: float = Field(2.5, gt=0)
     moe_aux_loss_coeff: float = Field(1e-4, ge=0)      # seq_aux_loss
     # MTP (DeepSeek-V3 §2.2; Megatron multi_token_prediction.py)
-    mtp_num_layers: int = Field(1, ge=0)
+    mtp_num_layers: int = Field(1, ge=0, le=64)
     mtp_loss_scaling_factor: float = Field(0.1, ge=0)
     init_method_std: float = Field(0.02, gt=0)
     # Fixed by design: untied head (the clean case of megatron-semantics §2.6) and no dropout (no RNG in forward).
@@ -129,21 +149,29 @@ class DataConfig(_Strict):
 class TrainingConfig(_Strict):
     """Training loop settings (Megatron names)."""
 
-    seed: int = Field(1234, ge=0)
-    train_iters: int = Field(3, ge=1)
-    seq_length: int = Field(32, ge=2)
-    micro_batch_size: int = Field(2, ge=1)
-    num_microbatches: int = Field(4, ge=1, le=4096)
+    seed: int = Field(1234, ge=0, lt=1 << 63)
+    train_iters: int = Field(3, ge=1, le=MAX_TRAIN_ITERS)
+    seq_length: int = Field(32, ge=2, le=MAX_TOKENS_PER_MICROBATCH)
+    micro_batch_size: int = Field(2, ge=1, le=MAX_TOKENS_PER_MICROBATCH)
+    num_microbatches: int = Field(4, ge=1, le=MAX_MICROBATCHES)
     lr: float = Field(1e-3, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
+    adam_beta1: float = Field(0.9, ge=0, lt=1)     # 1.0 divides by 1 - beta^t = 0 in the bias correction
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.1, ge=0)   # on matrices only
     clip_grad: float = Field(0.0, ge=0)      # 0 = off
-    num_threads: int = Field(1, ge=1)        # torch.set_num_threads in every rank
+    num_threads: int = Field(1, ge=1, le=256)        # torch.set_num_threads in every rank
     # megatron: Megatron's layout-dependent reductions; canonical: layout-invariant (reference_impl/reductions.py)
     reductions: Literal["megatron", "canonical"] = "megatron"
     data: DataConfig = DataConfig()
+
+    @model_validator(mode="after")
+    def _tokens(self):
+        tokens = self.seq_length * self.micro_batch_size
+        if tokens > MAX_TOKENS_PER_MICROBATCH:      # each rank holds a microbatch's activations
+            raise ValueError(f"seq_length*micro_batch_size={tokens} exceeds {MAX_TOKENS_PER_MICROBATCH} tokens "
+                             "per microbatch")
+        return self
 
 
 class ParallelConfig(_Strict):
@@ -208,7 +236,7 @@ class RunConfig(_Strict):
     device: Literal["cpu", "cuda"] = "cpu"
     # Megatron's params_dtype: bf16 keeps fp32 main_grad and fp32 optimizer master weights (as --bf16)
     params_dtype: Literal["float32", "bfloat16"] = "float32"
-    num_gpus: Optional[int] = Field(None, ge=1)  # cuda: spread ranks over this many GPUs (default: all)
+    num_gpus: Optional[int] = Field(None, ge=1, le=MAX_GPUS)  # cuda: spread ranks over this many GPUs (default: all)
     # full: losses, grads, params; activations: also every layer's input/output (+grads) and every boundary
     # tensor per microbatch (reference_impl/probe.py); losses: no fingerprints (capture-overhead benchmark only)
     capture: Literal["full", "activations", "losses"] = "full"
@@ -216,7 +244,7 @@ class RunConfig(_Strict):
     checkpoint: Optional[CheckpointConfig] = None
     resume_from: Optional[str] = None            # checkpoint directory: continue after its step
     inject: Optional[str] = None             # test-only planted fault (reference_impl.faults)
-    rank_timeout_s: float = Field(120.0, gt=0)  # gloo collective / p2p timeout inside ranks
+    rank_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S)  # gloo collective / p2p timeout inside ranks
 
     @model_validator(mode="after")
     def _expert_parallel(self):

@@ -7,6 +7,7 @@ Stdlib only, so a layout can be checked without importing torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NoReturn
 
 __all__ = ["LayoutError", "SYMBOLS", "parse_layout", "PipelineLayout"]
@@ -14,9 +15,13 @@ __all__ = ["LayoutError", "SYMBOLS", "parse_layout", "PipelineLayout"]
 SYMBOLS = {"E": "embedding", "t": "decoder", "m": "mtp", "L": "loss"}
 _NAMES = {name: sym for sym, name in SYMBOLS.items()}
 # A typo like 't*1000000000' must fail fast instead of exhausting memory; nesting is capped so a hostile
-# string gets a LayoutError rather than a RecursionError.
-_MAX_SYMBOLS = 1_000_000
+# string gets a LayoutError rather than a RecursionError.  The stage bound is the largest legal P x V
+# (pipeline_model_parallel_size <= 1024 ranks x 64 virtual stages); the symbol bound leaves room for that many
+# '|' plus layers.  Every query below is linear in the layout's size, so anything inside the bounds is fast.
+_MAX_STAGES = 65_536
+_MAX_SYMBOLS = 100_000
 _MAX_DEPTH = 64
+_MAX_LISTED = 4         # stage indices quoted in one error message (the line stays short)
 
 
 class LayoutError(ValueError):
@@ -29,8 +34,12 @@ class LayoutError(ValueError):
     def __init__(self, layout: object, problem: str, position: int | None = None):
         self.layout, self.problem, self.position = layout, problem, position
         where = f" at position {position}" if position is not None else ""
-        # list input is shown by repr; validated layouts always carry a string
-        super().__init__(f"layout {layout!r}: {problem}{where}".replace("\n", " "))
+        # list input is shown by repr; validated layouts always carry a string.  A huge layout is cut so the
+        # message stays one readable line (the position still points into the full text).
+        shown = repr(layout)
+        if len(shown) > 120:
+            shown = f"{shown[:100]}... ({len(layout)} characters)"
+        super().__init__(f"layout {shown}: {problem}{where}".replace("\n", " "))
 
     def __reduce__(self):  # the default pickling would call __init__(message) and fail in multiprocessing
         return type(self), (self.layout, self.problem, self.position)
@@ -106,6 +115,9 @@ class _Parser:
 def _from_list(layout: object) -> list[list[str]]:
     if not isinstance(layout, (list, tuple)) or not all(isinstance(s, (list, tuple)) for s in layout):
         raise TypeError(f"layout must be a string or a list of lists, got {type(layout).__name__}")
+    if len(layout) > _MAX_STAGES or sum(map(len, layout)) > _MAX_SYMBOLS:
+        raise LayoutError(f"<list of {len(layout)} stages>", f"layout has more than {_MAX_STAGES} stages or "
+                          f"{_MAX_SYMBOLS} layers")
     stages = []
     for i, stage in enumerate(layout):
         syms = []
@@ -131,6 +143,9 @@ def parse_layout(text: str | list) -> list[list[str]]:
     '|' may be repeated ('t|*3' == 't|||') and empty stages are allowed.
     A list of lists is also accepted, with entries 'embedding'/'decoder'/'mtp'/'loss' (case-insensitive,
     stripped), the symbols themselves, or enum members with those names.
+
+    Raises:
+        LayoutError: malformed text, or more than 100000 symbols / 65536 stages once expanded.
     """
     if not isinstance(text, str):
         return _from_list(text)
@@ -138,6 +153,8 @@ def parse_layout(text: str | list) -> list[list[str]]:
     symbols = parser.seq(0)
     if parser.pos < len(text):  # seq only stops early on an unmatched ')'
         raise parser.fail("unmatched ')'", parser.pos)
+    if symbols.count("|") >= _MAX_STAGES:
+        raise LayoutError(text, f"layout has more than {_MAX_STAGES} stages")
     return [list(stage) for stage in "".join(symbols).split("|")]
 
 
@@ -206,13 +223,29 @@ class PipelineLayout:
             # Megatron only checks rank 0's non-last chunks; with P == 1 rank 0 is also the last rank, so it is allowed.
             if pp == 0 and P > 1:
                 fail(f"MTP stage {self._at(m)} must not be on pp rank 0")
+        # Megatron checks E/L in flattened order only, but builds the embedding on the first stage and the loss
+        # on the last whatever the string says (pre_process / post_process follow the stage position): empty
+        # stages before E or after L would put them elsewhere, and every rank would fail.
+        first, last = where["E"][0], where["L"][0]
+        if first:
+            fail(f"{self._stages(range(first))} (before 'E') {'is' if first == 1 else 'are'} empty: Megatron "
+                 "embeds on the first stage; start the layout with E")
+        if last != n - 1:
+            fail(f"{self._stages(range(last + 1, n))} (after 'L') {'is' if n - 1 - last == 1 else 'are'} "
+                 "empty: Megatron computes the loss on the last stage; end the layout with L")
 
     def _fail(self, problem: str) -> NoReturn:
         raise LayoutError(self.text, problem)
 
     def _at(self, *flats: int) -> str:
+        """'i (ppP/vppV), ...' for at most _MAX_LISTED stages (a count for the rest: one short line)."""
         P = self.pipeline_model_parallel_size
-        return ", ".join(f"{i} (pp{i % P}/vpp{i // P})" for i in flats)
+        shown = ", ".join(f"{i} (pp{i % P}/vpp{i // P})" for i in flats[:_MAX_LISTED])
+        return shown + (f" and {len(flats) - _MAX_LISTED} more" if len(flats) > _MAX_LISTED else "")
+
+    def _stages(self, flats) -> str:
+        flats = tuple(flats)
+        return f"stage{'s' if len(flats) > 1 else ''} {self._at(*flats)}"
 
     def rank_of(self, flat: int) -> tuple[int, int]:
         """(pp_rank, vpp_rank) of flat stage `flat`: (flat % P, flat // P), as in Megatron's `layout[pp][vpp]`."""
@@ -231,9 +264,22 @@ class PipelineLayout:
         """Flat indices of the model chunks of `pp_rank`, in vpp order."""
         return [self.flat_index(pp_rank, v) for v in range(self.virtual_pipeline_model_parallel_size)]
 
+    @cached_property
+    def _offsets(self) -> dict[str, list[int]]:
+        """Per symbol, the count in all stages before each stage (Megatron's get_layer_offset), computed once:
+        summing the prefix per query made `pretty()` quadratic in the number of stages."""
+        out = {}
+        for sym in ("t", "m"):
+            acc, offs = 0, []
+            for st in self.stages:
+                offs.append(acc)
+                acc += st.count(sym)
+            out[sym] = offs
+        return out
+
     def _ids(self, flat: int, sym: str) -> list[int]:
         self.rank_of(flat)  # range check
-        offset = sum(st.count(sym) for st in self.stages[:flat])  # Megatron's get_layer_offset
+        offset = self._offsets[sym][flat]
         return list(range(offset, offset + self.stages[flat].count(sym)))
 
     def decoder_layer_ids(self, flat: int) -> list[int]:

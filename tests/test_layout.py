@@ -117,9 +117,13 @@ def test_multi_depth_mtp_ids():
     assert all(lay.mtp_layer_ids(f) == [] for f in range(8) if f != 6)
 
 
-def test_embedding_stage_after_leading_empty_stage():
-    lay = layout("|Et|tL", 3, 2)  # Megatron only checks E/L in flattened order
-    assert (lay.embedding_stage, lay.loss_stage, lay.last_decoder_stage) == (1, 2, 2)
+def test_empty_stage_before_embedding_or_after_loss_is_rejected():
+    """Megatron embeds on the first stage and computes the loss on the last whatever the string says, so an
+    empty stage before E or after L would put them elsewhere than the grid shows: refused before any run."""
+    with pytest.raises(LayoutError, match="before 'E'"):
+        layout("|Et|tL", 3, 2)
+    with pytest.raises(LayoutError, match="after 'L'"):
+        layout("Et|tL|", 3, 2)
 
 
 def test_mtp_on_single_rank_allowed():
@@ -239,7 +243,7 @@ def test_direct_construction_is_validated():
 # --- canonical form and pretty printing ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, p, n, d", [
-    (DSV3, 16, 61, 1), ("E|t|t*2|t||(t|)*2,t*2,L", 4, 8, 0), ("E|((t|)*2t|)*2mL", 4, 6, 1), ("|Et|tL", 3, 2, 0),
+    (DSV3, 16, 61, 1), ("E|t|t*2|t||(t|)*2,t*2,L", 4, 8, 0), ("E|((t|)*2t|)*2mL", 4, 6, 1), ("Et||tL", 3, 2, 0),
     ("E|t*3|(t|)*3tt|m|L", 4, 8, 1),
 ])
 def test_canonical_round_trip(text, p, n, d):

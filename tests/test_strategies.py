@@ -68,8 +68,8 @@ def grid_args(draw):
     """(num_layers, mtp_num_layers, kwargs) for stage_grids, any combination that is possible."""
     T, D = draw(st.integers(1, 12)), draw(st.integers(0, 3))
     placement = draw(st.sampled_from([None, "standalone", "with_loss"])) if D else None
-    allow_empty, displaced = draw(st.booleans()), draw(st.booleans())
-    kw = dict(allow_empty_stages=allow_empty, mtp_placement=placement, allow_displaced_ends=displaced)
+    allow_empty = draw(st.booleans())
+    kw = dict(allow_empty_stages=allow_empty, mtp_placement=placement)
     if not allow_empty:  # few decoder layers cannot fill many stages: fix small sizes so a grid exists
         kw.update(pp=draw(st.integers(3 if placement == "standalone" else 1, 3)), vpp=1)
     return T, D, kw
@@ -330,9 +330,7 @@ def test_layouts_reach(feature):
     reach(layouts(4, 1), LAYOUT_FEATURES[feature])
 
 
-def test_displaced_ends_and_options_reach():
-    reach(layouts(3, 1, allow_displaced_ends=True), lambda x: parse_layout(x[0])[0] == [])
-    reach(layouts(3, 1, allow_displaced_ends=True), lambda x: parse_layout(x[0])[-1] == [])
+def test_options_reach():
     grids = stage_grids(6, 2, allow_empty_stages=False)
     reach(grids, lambda g: g[0][0] == ("E",) and g[0][-1] == ("L",) and g[2] > 1)
     reach(grids, lambda g: validated(plain(g[0]), g[1], 6, 2).mtp_standalone)
