@@ -71,7 +71,6 @@ CAUGHT = [
     ("skip_final_norm_standalone", 0, "loss", "lm", 0),
     ("mtp_loss_main_mask_count", 0, "loss", "mtp_1", 0),
     ("unsynced_embedding_replica", 0, "grad", "embedding.word_embeddings.weight", None),
-    ("rescale_grads_per_microbatch", 0, "grad", None, None),
     ("grad_norm_counts_replica", 0, "grad_norm", "grad norm", None),
     ("wrong_microbatch_activation", 0, "loss", "lm", 1),
     ("wrong_wd_group", 0, "inventory", "output_layer.weight", None),
@@ -92,9 +91,25 @@ def test_fault_is_caught_at_its_first_divergence(report, variant, step, kind, na
 
 
 @pytest.mark.slow
+def test_rescaling_per_microbatch_moves_gradients_only(report):
+    """Dividing each microbatch's gradient by 3 instead of the backward seed is the same real number, rounded
+    elsewhere: whether a bit moves depends on the values (may differ, only here); if one does, it is a
+    gradient at step 0, never a loss."""
+    v = _summary(report)["rescale_grads_per_microbatch"]
+    if v["bitwise_equal"]:
+        pytest.skip("both roundings agree on this machine")
+    fd = v["first_divergence"]
+    assert v["verdict"] == "fail" and (fd["step"], fd["kind"]) == (0, "grad"), fd
+
+
+@pytest.mark.slow
 def test_swapped_backward_order_moves_the_grads_of_that_stage(report):
     v = _summary(report)["swap_backward_microbatches"]
     fd = v["first_divergence"]
+    # (g0 + g2) + g1 vs (g0 + g1) + g2 over every element of two layers: whether any rounds apart depends on
+    # the values (may differ, only here); if none does, the fault has no effect on this machine
+    if v["bitwise_equal"]:
+        pytest.skip("the swapped sums round alike on this machine")
     assert v["verdict"] == "fail" and (fd["step"], fd["kind"]) == (0, "grad")
     assert fd["name"].startswith(("decoder.layers.2.", "decoder.layers.3."))     # the stage holding t2 t3
 

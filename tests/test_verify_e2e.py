@@ -94,12 +94,16 @@ def test_planted_faults_are_caught_and_localised(tmp_path):
     assert v["flip"]["first_divergence"] == {"step": 0, "kind": "grad", "microbatch": None,
                                              "name": "decoder.layers.3.self_attention.linear_q_down_proj.weight",
                                              "ulp": None}
-    # swapped backward order of microbatches 1 and 2 on the stage holding layers 2-3: their grads move
-    assert v["swap"]["verdict"] == "fail"
-    fd = v["swap"]["first_divergence"]
-    assert (fd["step"], fd["kind"]) == (0, "grad") and fd["name"].startswith(("decoder.layers.2.", "decoder.layers.3."))
+    # swapped backward order of microbatches 1 and 2 on the stage holding layers 2-3: their grads may round
+    # apart (value-dependent: may differ, only here); if they do, nothing before those grads differs
+    swapped = not v["swap"]["bitwise_equal"]
+    if swapped:
+        assert v["swap"]["verdict"] == "fail"
+        fd = v["swap"]["first_divergence"]
+        assert (fd["step"], fd["kind"]) == (0, "grad") and fd["name"].startswith(("decoder.layers.2.",
+                                                                                  "decoder.layers.3."))
     junit = ET.parse(tmp_path / "faults" / "junit.xml").getroot()
-    assert len(junit.findall(".//failure")) == 2
+    assert len(junit.findall(".//failure")) == 1 + swapped
 
 
 def _pids(run_dir: Path):
