@@ -99,7 +99,7 @@ def _check_size(name: str, value: SizeArg) -> SizeArg:
     return _check_count(name, value, 1)
 
 
-def _mtp_stages(T: int, D: int, P: int, V: int, allow_empty: bool, displaced: bool,
+def _mtp_stages(T: int, D: int, P: int, V: int, allow_empty: bool,
                 placement: Optional[str]) -> list[Optional[int]]:
     """Flat MTP stage indices possible for a valid grid (None stands for 'no MTP'), best shrink first.
 
@@ -108,8 +108,6 @@ def _mtp_stages(T: int, D: int, P: int, V: int, allow_empty: bool, displaced: bo
     n = P * V
     if P == 1 and V > 1:  # schedule.check_sizes: no interleaving without pipelining
         return []
-    if not allow_empty:
-        displaced = False  # a stage before E or after L would be empty
     if D == 0:
         return [None] if allow_empty or n - 1 <= T + 1 else []
     # 'with_loss' first: the MTP stage is the last stage, which holds L. rank P-1 is the loss rank.
@@ -150,15 +148,15 @@ def _spread(draw, total: int, caps: Sequence[Optional[int]], order: Sequence[int
     return counts
 
 
-def _build(draw, T: int, D: int, n: int, mstage: Optional[int], allow_empty: bool, displaced: bool) -> Grid:
+def _build(draw, T: int, D: int, n: int, mstage: Optional[int], allow_empty: bool) -> Grid:
     """A grid of n stages: E, T decoder layers, D MTP layers in flat stage `mstage`, L, in flattened order.
 
-    Symbols are laid out in order and n-1 stage boundaries are placed in the gaps around them: before E
-    (leading empty stages, only if displaced), between symbols, after L (trailing, only if displaced). The MTP
-    block is one token, so all 'm' share a stage; exactly `mstage` boundaries precede it.
+    Symbols are laid out in order and n-1 stage boundaries are placed in the gaps between them, never before
+    E or after L (Megatron embeds on the first stage and computes the loss on the last). The MTP block is one
+    token, so all 'm' share a stage; exactly `mstage` boundaries precede it.
     """
     internal = None if allow_empty else 1
-    end = 0 if not (allow_empty and displaced) else None
+    end = 0                                  # no stage before E's or after L's
     if D:
         pre = ["E"] + ["t"] * T  # then the MTP block at gap index len(pre)
         pre_caps = [end] + [internal] * len(pre)  # before E, after each pre token (the last: before 'm')
@@ -182,20 +180,20 @@ def _build(draw, T: int, D: int, n: int, mstage: Optional[int], allow_empty: boo
     return grid
 
 
-def _v_list(T, D, P, vpp, allow_empty, displaced, placement) -> list[int]:
+def _v_list(T, D, P, vpp, allow_empty, placement) -> list[int]:
     """V values (vpp fixed int, or 1..4; 1 when P = 1) that admit a valid grid for P."""
     vs = [vpp] if isinstance(vpp, int) else [1] if P == 1 else range(1, _MAX_V + 1)
-    return [V for V in vs if _mtp_stages(T, D, P, V, allow_empty, displaced, placement)]
+    return [V for V in vs if _mtp_stages(T, D, P, V, allow_empty, placement)]
 
 
-def _p_list(T, D, vpp, allow_empty, displaced, placement) -> list[int]:
+def _p_list(T, D, vpp, allow_empty, placement) -> list[int]:
     vpp = vpp if isinstance(vpp, int) else None
-    return [P for P in range(1, _MAX_P + 1) if _v_list(T, D, P, vpp, allow_empty, displaced, placement)]
+    return [P for P in range(1, _MAX_P + 1) if _v_list(T, D, P, vpp, allow_empty, placement)]
 
 
 @st.composite
-def _grids(draw, T, D, pp, vpp, allow_empty, placement, displaced):
-    opts = (allow_empty, displaced, placement)
+def _grids(draw, T, D, pp, vpp, allow_empty, placement):
+    opts = (allow_empty, placement)
     if isinstance(pp, st.SearchStrategy):
         P = draw(pp)
         assume(isinstance(P, int) and not isinstance(P, bool) and P >= 1)
@@ -212,7 +210,7 @@ def _grids(draw, T, D, pp, vpp, allow_empty, placement, displaced):
         assume(vs)
         V = draw(st.sampled_from(vs))
     mstage = draw(st.sampled_from(_mtp_stages(T, D, P, V, *opts)))
-    return _build(draw, T, D, P * V, mstage, allow_empty, displaced), P, V
+    return _build(draw, T, D, P * V, mstage, allow_empty), P, V
 
 
 def stage_grids(num_layers: int, mtp_num_layers: int, pp: SizeArg = None, vpp: SizeArg = None, *,
@@ -251,15 +249,14 @@ def stage_grids(num_layers: int, mtp_num_layers: int, pp: SizeArg = None, vpp: S
         warnings.warn("stage_grids/layouts: allow_displaced_ends is deprecated and ignored: layouts with empty "
                       "stages before E or after L are invalid (Megatron embeds on the first stage and computes "
                       "the loss on the last)", DeprecationWarning, stacklevel=3)
-        allow_displaced_ends = False
-    opts = (bool(allow_empty_stages), bool(allow_displaced_ends), mtp_placement)
+    opts = (bool(allow_empty_stages), mtp_placement)
     fixed = isinstance(pp, int) and not isinstance(vpp, st.SearchStrategy)
     if (fixed and not _v_list(T, D, pp, vpp, *opts)) or (pp is None and not _p_list(T, D, vpp, *opts)):
         hint = " (P=1 requires V=1)" if pp == 1 and isinstance(vpp, int) and vpp > 1 else ""
         hint += " ('standalone' needs P >= 3)" if mtp_placement == "standalone" else ""
         raise InvalidArgument(f"no valid layout with num_layers={T}, mtp_num_layers={D}, pp={pp!r}, vpp={vpp!r}, "
                               f"mtp_placement={mtp_placement!r}, allow_empty_stages={allow_empty_stages}{hint}")
-    return _grids(T, D, pp, vpp, bool(allow_empty_stages), mtp_placement, bool(allow_displaced_ends))
+    return _grids(T, D, pp, vpp, bool(allow_empty_stages), mtp_placement)
 
 
 # ------------------------------------------------------------------------------------------------ spellings
@@ -435,8 +432,8 @@ def _remove(s: str, c: str) -> str:
 
 def _base(draw, T, D, P, V, mstage="legal"):
     if mstage == "legal":
-        mstage = draw(st.sampled_from(_mtp_stages(T, D, P, V, True, False, None)))
-    return plain(_build(draw, T, D, P * V, mstage, True, False))
+        mstage = draw(st.sampled_from(_mtp_stages(T, D, P, V, True, None)))
+    return plain(_build(draw, T, D, P * V, mstage, True))
 
 
 @st.composite
@@ -467,7 +464,7 @@ def _invalid(draw, T, D, pp, rules):
         s = _base(draw, T, D, P, V, (V - 1) * P)
     elif rule == "m_split":
         M = (V - 1) * P + draw(st.integers(1, P - 2))  # standalone: at least one stage follows
-        stages = [list(x) for x in _build(draw, T, D, P * V, M, True, False)]
+        stages = [list(x) for x in _build(draw, T, D, P * V, M, True)]
         target = draw(st.integers(M + 1, P * V - 1))  # empty stages and the final L stage follow M
         moved = draw(st.integers(1, D - 1))
         del stages[M][stages[M].index("m"):stages[M].index("m") + moved]

@@ -93,8 +93,7 @@ def check_grid(grid, P, V, T, D, kw):
         assert lay.mtp_stage is None and not lay.mtp_standalone
     if not kw.get("allow_empty_stages", True):
         assert all(grid)
-    if not kw.get("allow_displaced_ends", False):
-        assert "E" in grid[0] and "L" in grid[-1]
+    assert "E" in grid[0] and "L" in grid[-1]
     return lay
 
 
