@@ -52,8 +52,10 @@ def read_case_text(path: Path) -> str:
     try:
         if path.is_dir():
             raise UsageError(f"{path}: is a directory, not a case file")
-        if not path.is_file():
+        if not path.exists():
             raise UsageError(f"{path}: no such case file")
+        if not path.is_file():
+            raise UsageError(f"{path}: not a regular file (a case file is a YAML text file)")
         with path.open("rb") as f:
             data = f.read(MAX_CASE_BYTES + 1)    # never more, whatever the file's size
     except OSError as e:

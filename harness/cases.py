@@ -58,6 +58,7 @@ from reference_impl.layout import LayoutError, PipelineLayout
 from reference_impl.schedule import ScheduleError, build_schedule, simulate
 
 from . import bounds
+from . import expectations
 from .errors import UsageError
 
 
@@ -134,7 +135,7 @@ class VariantSpec(_Strict):
 class CaseSpec(_Strict):
     """A whole case file (schema in the module docstring)."""
 
-    name: Optional[str] = None
+    name: Optional[str] = Field(None, min_length=1)      # left out: the file's stem; "" is a mistake
     description: str = ""
     timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
     device: Literal["cpu", "cuda"] = "cpu"
@@ -301,20 +302,11 @@ def _check_data(path: Path, spec: CaseSpec) -> None:
 
 def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject: Optional[str]) -> PlannedRun:
     where = f"{path}: {'baseline' if is_baseline else 'variant'} {v.name!r}"
-    if is_baseline and (v.expect != "bitwise" or v.first_divergence):
-        raise UsageError(f"{where}: the baseline cannot carry an expectation")
-    if v.first_divergence and v.expect == "bitwise":
-        raise UsageError(f"{where}: first_divergence is only meaningful with expect: may_diverge or diverge")
-    if v.expect == "may_diverge" and v.first_divergence is None:
-        raise UsageError(f"{where}: expect: may_diverge needs first_divergence (where the run may differ: "
-                         "at least its kind)")
-    for want in v.first_divergence or []:
-        if want.max_ulp is not None and want.kind not in ("loss", "grad_norm"):
-            raise UsageError(f"{where}: first_divergence.max_ulp applies to kind loss or grad_norm, not {want.kind}")
     try:
         training = TrainingConfig.model_validate({**spec.training.model_dump(), **v.options})
     except ValidationError as e:
         raise UsageError(f"{where}: options.{_loc(e)}") from None
+    expectations.check(where, v.expect, v.first_divergence, is_baseline, spec.model, training)
     if training.data != spec.training.data:
         try:
             TokenDataset(training.data, 0, training.seq_length, 1, spec.model.vocab_size)

@@ -134,6 +134,8 @@ def _fuzz(args, argv) -> int:
     from .fuzz import fuzz, parse_budget
     from .verify import verify
     budget = parse_budget(args.budget)
+    if args.seed is not None and not 0 <= args.seed < 2 ** 64:
+        raise UsageError(f"--seed {args.seed}: use an integer in 0..2^64-1")
     if not (1 <= args.max_pp <= bounds.MAX_WORLD_SIZE and 1 <= args.max_vpp <= 64):
         raise UsageError(f"--max-pp must be in 1..{bounds.MAX_WORLD_SIZE} (rank processes on this machine) and "
                          "--max-vpp in 1..64")
@@ -147,6 +149,9 @@ def _fuzz(args, argv) -> int:
         res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp)
     print(f"{plan.name}: tried {res.tried} layouts ({len(res.grids)} distinct stage grids) in {res.elapsed_s:.0f} s "
           f"= {res.per_minute:.1f} layouts/min; {res.compute_s / max(res.tried, 1):.2f} s per layout")
+    if res.failure is None and res.tried == 0:      # nothing was verified: not a pass
+        raise UsageError(f"--budget {args.budget}: no layout could be tried in it (the baseline alone took "
+                         f"{res.elapsed_s:.0f} s); give a longer budget")
     if res.failure is None:
         print("no layout differed from the baseline")
         return 0
@@ -192,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             return _verify(args, argv)
         if args.command == "fuzz":
             return _fuzz(args, argv)
-        if args.command == "layout":
-            return _layout_explain(args)
-        return _schedule_explain(args)
+        if args.command in ("layout", "schedule"):
+            # a reader that stops early (| head) ends a filter quietly, as it ends `ls`
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            return _layout_explain(args) if args.command == "layout" else _schedule_explain(args)
     except UsageError as e:
         print(_one_line(f"bitparity: error: {e}"), file=sys.stderr)
         return 2

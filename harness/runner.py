@@ -71,7 +71,10 @@ def _root_cause(procs, first: int, run_dir: Path) -> str:
     logs = {r: tail(run_dir / f"rank{r}.log") for r in failed}
     last = {r: (logs[r].strip().splitlines() or ["(empty log)"])[-1] for r in failed}
     r = next((r for r in failed if not any(v in last[r] for v in _VICTIM)), first)
-    return f"rank {r} exited with code {procs[r].exitcode}: {last[r]}\nlast lines of rank{r}.log:\n{logs[r]}"
+    code = procs[r].exitcode
+    # the watchdog has not killed anything yet: a SIGKILL now came from outside, usually the OOM killer
+    why = " (SIGKILL from outside the harness: most likely out of memory; see dmesg)" if code == -signal.SIGKILL else ""
+    return f"rank {r} exited with code {code}{why}: {last[r]}\nlast lines of rank{r}.log:\n{logs[r]}"
 
 
 def _stop(procs) -> None:

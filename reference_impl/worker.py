@@ -56,6 +56,10 @@ def _imported_by_forkserver() -> bool:
 
 if _imported_by_forkserver():
     die_with_parent(_PARENT_AT_IMPORT)   # then ranks need only die with the forkserver
+    # Ctrl-C reaches the whole process group; the forkserver ignores SIGINT itself, but only after its
+    # preload (this import of torch): ignore it now, so an early Ctrl-C ends the harness with one line, not
+    # with this process's traceback.  Ranks inherit it and are ended by the harness (and their parent's death).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 import torch
 import torch._inductor.config  # noqa: F401  use_deterministic_algorithms imports it (~2 s): pay once, pre-fork
@@ -73,7 +77,10 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     with it (`die_with_parent`)."""
     if store_path is not None and _IMPORTED_BY != os.getpid():
         die_with_parent(_IMPORTED_BY)
-    log = open(Path(run_dir) / f"rank{rank}.log", "w", buffering=1)
+    try:
+        log = open(Path(run_dir) / f"rank{rank}.log", "w", buffering=1)
+    except FileNotFoundError:       # the harness already removed the run (interrupted): nothing to report to
+        os._exit(1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log

@@ -175,7 +175,11 @@ def test_inventory_difference_is_reported_and_recorded_honestly(report):
 @pytest.mark.slow
 def test_junit_counts_the_failures(report):
     junit = ET.parse(report / "junit.xml").getroot()
-    assert len(junit.findall(".//failure")) == len(CAUGHT) + 2      # + swap, double norm
+    summary = _summary(report)
+    # + double norm, + the two faults whose only effect is a rounding, where this machine rounds them apart
+    rounding = sum(not summary[n]["bitwise_equal"] for n in ("swap_backward_microbatches",
+                                                             "rescale_grads_per_microbatch"))
+    assert len(junit.findall(".//failure")) == len(CAUGHT) + 1 + rounding
     assert not junit.findall(".//error")
 
 

@@ -192,3 +192,34 @@ def test_no_process_outlives_a_killed_harness(tmp_path, launcher, sig):
             except ChildProcessError:       # not ours (reaped by its own parent) or already reaped
                 pass
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("delay_s", [1.0, 3.0, 5.0])
+def test_ctrl_c_at_any_moment_is_one_line_and_reaps_everything(tmp_path, delay_s):
+    """Ctrl-C reaches the whole process group: while the forkserver still imports torch, while ranks start
+    (their run directory may already be gone), or mid-run.  Whatever the moment: exit 2, no traceback from
+    any process, nothing left running (the moments are only spread out; none of the assertions needs one)."""
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "verify", str(ROOT / "cases" / "smoke.yaml"),
+                             "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        time.sleep(delay_s)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=60)[0].decode(errors="replace")
+        if "5/5 pass" not in out:                    # interrupted (not finished before the signal)
+            # exit 2 after the one line; rarely (seen once under load) the interpreter then ends by SIGINT
+            assert proc.returncode in (2, -signal.SIGINT), (proc.returncode, out)
+            assert out.rstrip().endswith("bitparity: interrupted"), out
+        assert "Traceback" not in out, out
+        deadline = time.monotonic() + 10
+        while subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "processes of the interrupted run are still alive"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

@@ -1,0 +1,74 @@
+"""What a variant's `expect` / `first_divergence` may say, checked against the case before anything runs.
+
+An allowed place that can never match (a step past ``train_iters``, a parameter the model does not have, a
+loss the run does not compute) would pass silently wherever the run happens to be bitwise equal, so a typo
+would never be caught: every such place is a one-line `UsageError`.  The names are the trace's
+(`harness.compare`): losses ``lm``, ``mtp_1``..``mtp_D``, ``lm loss (reported)``, ``microbatch count``;
+``grad norm``; global parameter and buffer names (`reference_impl.names`) for grad, param and inventory.
+"""
+from __future__ import annotations
+
+from reference_impl import names
+from reference_impl.config import ModelConfig, TrainingConfig
+
+from .errors import UsageError
+
+_SCALAR_ULP_KINDS = ("loss", "grad_norm")
+
+
+def _loss_names(model: ModelConfig) -> set[str]:
+    return {"lm", "lm loss (reported)", "microbatch count"} | {f"mtp_{k}" for k in range(1, model.mtp_num_layers + 1)}
+
+
+def _parameter_problem(name: str, model: ModelConfig) -> str:
+    """'' when `name` can be a global parameter / buffer name of this model (a replica key such as
+    ``embedding.word_embeddings.weight@mtp`` included), else why not."""
+    name = name.split("@", 1)[0]
+    try:
+        names.family(name)
+        section, layer = names.section_and_layer(name)
+    except ValueError:
+        return "is not a parameter name of the model (e.g. decoder.layers.3.mlp.router.weight)"
+    if name.startswith("decoder.layers.") and layer >= model.num_layers:
+        return f"names decoder layer {layer}, but the model has {model.num_layers} (0..{model.num_layers - 1})"
+    if name.startswith("mtp.layers.") and layer >= model.mtp_num_layers:
+        return f"names MTP layer {layer}, but mtp_num_layers is {model.mtp_num_layers}"
+    return ""
+
+
+def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig, training: TrainingConfig) -> None:
+    """Validate one variant's expectation (`wants`: its `first_divergence` list or None).
+
+    Raises:
+        UsageError: the baseline carries an expectation; first_divergence with ``bitwise``; ``may_diverge``
+            without a place, or an empty list; max_ulp on a kind without one bit pattern per run; a step
+            >= train_iters, a microbatch >= num_microbatches, a name that no run of this model can produce.
+    """
+    if is_baseline and (expect != "bitwise" or wants):
+        raise UsageError(f"{where}: the baseline cannot carry an expectation")
+    if wants is not None and expect == "bitwise":
+        raise UsageError(f"{where}: first_divergence is only meaningful with expect: may_diverge or diverge")
+    if expect == "may_diverge" and wants is None:
+        raise UsageError(f"{where}: expect: may_diverge needs first_divergence (where the run may differ: "
+                         "at least its kind)")
+    if wants is not None and not wants:
+        raise UsageError(f"{where}: first_divergence is an empty list: name at least one place")
+    for i, want in enumerate(wants or []):
+        at = f"{where}: first_divergence" + (f"[{i}]" if len(wants) > 1 else "")
+        if want.max_ulp is not None and want.kind not in _SCALAR_ULP_KINDS:
+            raise UsageError(f"{at}.max_ulp applies to kind loss or grad_norm, not {want.kind}")
+        if want.step is not None and want.step >= training.train_iters:
+            raise UsageError(f"{at}.step {want.step}: the run has steps 0..{training.train_iters - 1}")
+        if want.microbatch is not None and want.microbatch >= training.num_microbatches:
+            raise UsageError(f"{at}.microbatch {want.microbatch}: the run has microbatches "
+                             f"0..{training.num_microbatches - 1}")
+        if want.name is None:
+            continue
+        if want.kind == "loss" and want.name not in _loss_names(model):
+            raise UsageError(f"{at}.name {want.name!r}: a loss is one of {', '.join(sorted(_loss_names(model)))}")
+        if want.kind == "grad_norm" and want.name != "grad norm":
+            raise UsageError(f"{at}.name {want.name!r}: the grad norm is named 'grad norm' (or leave name out)")
+        if want.kind in ("grad", "param", "inventory"):
+            problem = _parameter_problem(want.name, model)
+            if problem:
+                raise UsageError(f"{at}.name {want.name!r} {problem}")
