@@ -43,8 +43,9 @@ Numerics (the harness must report ``fail`` at the stated first divergence):
 * ``ep_unsorted_dispatch``: with expert parallelism (EP > 1), each expert receives its tokens ordered by
   source EP rank in reverse (the last rank's shard first) instead of in ascending token order; the rows go
   back to the right tokens, so only the order inside each expert's GEMM moves (a dispatcher that forgets
-  ``sort_chunks_by_idxs``'s order).  Inactive with EP = 1.  -> step 0 grad of a routed expert's weight of
-  the first MoE layer (the weight gradient sums the same rows in another order).
+  ``sort_chunks_by_idxs``'s order).  Inactive with EP = 1.  -> step 0 grad of a routed expert's weight
+  (the weight gradient sums the same rows in another order), or a step 0 loss on a BLAS that rounds a GEMM
+  row by its position (MKL with MKL_CBWR=COMPATIBLE); none if every such sum happens to round alike.
 * ``renorm_when_mtp_alone``: a stage holding only the MTP layer(s) normalises its input again (an extra,
   weightless RMSNorm on h0) — a layout-dependent bug that only some layouts trigger, for the fuzzer.
 

@@ -7,7 +7,7 @@
 * end to end (one case, run once): EP = 2 / 4 vs EP = 1 on P = 1, P = 2 and P = 2 V = 2 layouts, with the
   1F1B overlap, megatron reductions without clipping and canonical reductions with clipping; resumes from an
   EP = 1 checkpoint under EP = 2 and back; megatron reductions with clipping may diverge only at the grad norm (the per-rank partial sums
-  move); the planted fault ``ep_unsorted_dispatch`` is caught at the first expert weight gradient; EP
+  move); the planted fault ``ep_unsorted_dispatch`` is caught at step 0 where it moves a bit; EP
   replicas whose records differ fail the trace merge; bad EP sizes are one-line usage errors.
 """
 import json
@@ -277,11 +277,12 @@ def test_planted_unsorted_dispatch_is_caught_at_an_expert_weight_gradient(report
     # each round differently; whether any does depends on the values and the BLAS (may differ, only here)
     if v["bitwise_equal"]:
         pytest.skip("the reordered expert GEMMs round alike on this machine: the fault has no effect here")
-    assert v["verdict"] == "fail"
-    # forward rows are computed independently, so losses stay equal; the first difference is a routed
-    # expert's weight gradient (which expert first depends on which sums happen to round apart)
-    assert (fd["step"], fd["kind"]) == (0, "grad"), fd
-    assert ".mlp.experts." in fd["name"] and "shared" not in fd["name"], fd
+    assert v["verdict"] == "fail" and fd["step"] == 0, fd
+    # most BLAS compute a GEMM row independently of its position, so losses stay equal and the first
+    # difference is a routed expert's weight gradient (which expert first depends on which sums round
+    # apart); MKL with MKL_CBWR=COMPATIBLE rounds a row by its position too, so there a loss moves first
+    assert fd["kind"] == "loss" or (fd["kind"] == "grad" and ".mlp.experts." in fd["name"]
+                                    and "shared" not in fd["name"]), fd
 
 
 @pytest.mark.slow
