@@ -119,17 +119,17 @@ class VariantSpec(_Strict):
     expect: Literal["bitwise", "may_diverge", "diverge"] = "bitwise"
     # one place, or a list of places any one of which may be the first divergence
     first_divergence: Optional[list[ExpectedDivergence]] = None
-
-    @field_validator("first_divergence", mode="before")
-    @classmethod
-    def _one_or_more(cls, v):
-        return [v] if isinstance(v, dict) else v
     inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
     compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
     repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
     resume: Optional[ResumeSpec] = None  # start from another run's checkpoint
     # names reach the terminal and the report: an ANSI escape or a newline in one is rejected, not printed
     _names_printable = field_validator("name", "compare_to", "inject")(bounds.printable)
+
+    @field_validator("first_divergence", mode="before")
+    @classmethod
+    def _one_or_more(cls, v):
+        return [v] if isinstance(v, dict) else v
 
 
 class CaseSpec(_Strict):

@@ -110,11 +110,15 @@ def _loss_diffs(base_step, other_step):
 
 
 def _ulp(a_hex: str, b_hex: str) -> Optional[int]:
-    """ULP distance of two float bit patterns of one width, else None (e.g. a count, 'none')."""
+    """ULP distance of two float bit patterns of one width, else None (e.g. a count, 'none', two widths)."""
     try:
         return ulp_distance(a_hex, b_hex) if a_hex.startswith("0x") and b_hex.startswith("0x") else None
     except ValueError:
         return None
+
+
+def _ulp_words(ulp: Optional[int]) -> str:
+    return f" ({ulp} ulp)" if ulp is not None else ""
 
 
 def compare(base: Trace, other: Trace) -> Comparison:
@@ -141,18 +145,16 @@ def compare(base: Trace, other: Trace) -> Comparison:
         for mb, name, b, o in _loss_diffs(bs, os_):
             if first is None:
                 ulp = _ulp(b["hex"], o["hex"])
-                ulps = f" ({ulp} ulp)" if ulp is not None else ""
                 first = FirstDivergence(bs.step, "loss", mb, name,
-                                        f"{name}: reference {b['hex']} vs {o['hex']}{ulps}", ulp=ulp)
+                                        f"{name}: reference {b['hex']} vs {o['hex']}{_ulp_words(ulp)}", ulp=ulp)
         norm_ulps.append(None)
         for kind, b_map, o_map in (("grad", bs.grads, os_.grads), ("param", bs.params, os_.params)):
             if kind == "param" and bs.grad_norm and os_.grad_norm:
                 bh, oh = bs.grad_norm["hex"], os_.grad_norm["hex"]
-                norm_ulps[-1] = _ulp(bh, oh) if len(bh) == len(oh) else None
+                norm_ulps[-1] = _ulp(bh, oh)
                 if bh != oh and first is None:
-                    ulps = f" ({norm_ulps[-1]} ulp)" if norm_ulps[-1] is not None else ""
                     first = FirstDivergence(bs.step, "grad_norm", None, "grad norm",
-                                            f"grad norm {bh} vs {oh}{ulps}", ulp=norm_ulps[-1])
+                                            f"grad norm {bh} vs {oh}{_ulp_words(norm_ulps[-1])}", ulp=norm_ulps[-1])
             per_family = dict.fromkeys(FAMILIES, 0)
             for k in keys:
                 if b_map.get(k) != o_map.get(k):

@@ -49,7 +49,7 @@ def _stacks(pids: dict[int, int], run_dir: Path) -> str:
     for pid in pids.values():
         try:
             os.kill(pid, signal.SIGUSR1)
-        except (ProcessLookupError, TypeError):
+        except ProcessLookupError:
             pass
     time.sleep(1.0)
     lines = []
@@ -99,9 +99,8 @@ def _first_failure(run_dir: Path, world: int) -> str:
     return ""
 
 
-def _torchrun_ranks(agent: int) -> dict[int, int]:
-    """{rank: pid} of the running (not zombie) workers under the torchrun process `agent`: its descendants
-    whose environment holds RANK (torchrun sets it; /proc, no psutil)."""
+def descendants(root: int) -> list[int]:
+    """Pids of the running (not zombie) descendants of process `root`, from /proc (Linux; no psutil)."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         try:
@@ -110,10 +109,19 @@ def _torchrun_ranks(agent: int) -> dict[int, int]:
                 children.setdefault(int(rest.split()[1]), []).append(int(d))
         except (OSError, ValueError, IndexError):
             continue                                        # not a process, or gone meanwhile
-    ranks, todo = {}, list(children.get(agent, []))
+    out, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop()
+        out.append(pid)
         todo += children.get(pid, [])
+    return out
+
+
+def _torchrun_ranks(agent: int) -> dict[int, int]:
+    """{rank: pid} of the workers under the torchrun process `agent`: its descendants whose environment holds
+    RANK (torchrun sets it)."""
+    ranks = {}
+    for pid in descendants(agent):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:

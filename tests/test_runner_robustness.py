@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from harness.runner import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -85,23 +86,6 @@ def _alive(pid: int) -> bool:
     return _state(pid) not in (None, "Z")
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def _rank_pids(run_dir: Path) -> list[int]:
     pids = []
     for log in run_dir.rglob("rank*.log"):
@@ -170,7 +154,7 @@ def test_no_process_outlives_a_killed_harness(tmp_path, launcher, sig):
         while len(_rank_pids(tmp_path / "out")) < 2:        # both ranks of the hanging baseline are training
             assert harness.poll() is None and time.monotonic() < deadline, "ranks never started"
             time.sleep(0.2)
-        tree = set(_descendants(harness.pid))
+        tree = set(descendants(harness.pid))
         assert set(_rank_pids(tmp_path / "out")) <= tree
         harness.send_signal(sig)
         harness.wait(10)
