@@ -1,4 +1,4 @@
-"""Benchmark: on-device fingerprint throughput (reference_impl/fingerprint_gpu.py) against a device-to-device
+"""Benchmark: on-device fingerprint throughput (trainerkit/fingerprint_gpu.py) against a device-to-device
 copy of the same bytes (goal: >= 0.8 of the copy's read bandwidth, bytes read / time), plus a naive torch int64
 implementation of the same hash for reference.
 
@@ -32,8 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from reference_impl import fingerprint_gpu as fg  # noqa: E402
-from reference_impl.fingerprint import _header, _mix, fingerprint  # noqa: E402
+from trainerkit import fingerprint_gpu as fg  # noqa: E402
+from trainerkit.fingerprint import _header, _mix, fingerprint  # noqa: E402
 
 GOAL = 0.8
 MiB = 1 << 20

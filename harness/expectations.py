@@ -4,11 +4,11 @@ An allowed place that can never match (a step past ``train_iters``, a parameter 
 loss the run does not compute) would pass silently wherever the run happens to be bitwise equal, so a typo
 would never be caught: every such place is a one-line `UsageError`.  The names are the trace's
 (`harness.compare`): losses ``lm``, ``mtp_1``..``mtp_D``, ``lm loss (reported)``, ``microbatch count``;
-``grad norm``; global parameter and buffer names (`reference_impl.names`) for grad, param and inventory.
+``grad norm``; global parameter and buffer names (`trainerkit.names`) for grad, param and inventory.
 """
 from __future__ import annotations
 
-from reference_impl import names
+from trainerkit import names
 from reference_impl.config import ModelConfig, TrainingConfig
 
 from .errors import UsageError

@@ -14,7 +14,7 @@ Outcome = Literal["reference", "equal", "differs only where allowed", "differs a
                   "unexpected difference", "unexpectedly equal", "error"]
 DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "param"]
 
-#: Parameter families used to group mismatches (see `reference_impl.names.family`).
+#: Parameter families used to group mismatches (see `trainerkit.names.family`).
 FAMILIES = ("embedding/head", "attention", "dense mlp", "router", "experts", "shared expert", "norms", "mtp")
 
 

@@ -5,7 +5,7 @@ Ranks are forked from a forkserver that has already imported torch and the train
 as soon as any rank exits non-zero or the timeout passes, then terminates, kills and reaps every rank; on a
 timeout it first asks every stuck rank where it waits (`_stacks`), under either launcher.  Should the harness
 itself die (any signal, SIGKILL included), the forkserver, torchrun and every rank die with it
-(`reference_impl.worker.die_with_parent`).
+(`trainerkit.process.die_with_parent`).
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def run_torchrun(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
     """Launch the ranks with ``torchrun --standalone --nproc-per-node P*EP`` (one process per rank, rank and
     world from the environment, local rank r on ``cuda:r``) under the same watchdog.  torchrun dies with the
     harness (and its workers with it, `reference_impl.worker.main`)."""
-    from reference_impl.worker import die_with_parent
+    from trainerkit.process import die_with_parent
 
     world = cfg.parallel.world_size
     run_dir.mkdir(parents=True, exist_ok=True)

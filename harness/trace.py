@@ -1,6 +1,6 @@
 """Merge the per-rank JSONL traces of one run into one canonical, layout-independent trace.
 
-Input: ``rank{r}.jsonl`` in format ``bitparity-rank-trace/2`` (documented in `reference_impl.capture`).
+Input: ``rank{r}.jsonl`` in format ``bitparity-rank-trace/2`` (documented in `trainerkit.capture`).
 Output (`Trace`, saved as ``trace.json``): parameters keyed by global name (``name@replica`` for replicas),
 ordered canonically (embedding, decoder layers by global id, final norm, MTP depths, head; within a layer in
 module order), with per-step losses, grad norm, and grad / param / buffer fingerprints.

@@ -55,7 +55,7 @@ def tensor_stats(a, b, bins: int = 12) -> dict:
     """
     import torch
 
-    from reference_impl.fingerprint import raw_bits
+    from trainerkit.fingerprint import raw_bits
     if a.dtype != b.dtype or a.shape != b.shape:
         raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
     if not a.dtype.is_floating_point:

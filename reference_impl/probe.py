@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .fingerprint import fingerprint_hex
+from trainerkit.fingerprint import fingerprint_hex
 
 
 class Probe:

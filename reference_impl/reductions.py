@@ -42,7 +42,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import faults, names
+from trainerkit import names
+
+from . import faults
 
 
 class EmbeddingSync:

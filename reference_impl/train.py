@@ -14,12 +14,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from . import checkpoint, faults, names
-from .capture import FORMAT, TraceWriter, scalar
+from trainerkit import names
+from trainerkit.capture import FORMAT, TraceWriter, scalar
+from trainerkit.fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
+
+from . import checkpoint, faults
 from .config import RunConfig
 from .data import TokenDataset
 from .executor import StepExecutor
-from .fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
 from .init import init_parameters
 from .probe import Probe
 from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss

@@ -21,7 +21,7 @@ import torch
 
 from conftest import run_cli
 from harness.trace import TraceError, merge
-from reference_impl import names
+from trainerkit import names
 from reference_impl.config import ModelConfig
 from reference_impl.init import init_parameters
 from reference_impl.model.expert_parallel import ExpertParallel, plan_dispatch, sort_chunks, unsort_chunks

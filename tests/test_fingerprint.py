@@ -1,4 +1,4 @@
-"""Tests for reference_impl/fingerprint.py: the 64-bit tensor digest every trace comparison relies on.
+"""Tests for trainerkit/fingerprint.py: the 64-bit tensor digest every trace comparison relies on.
 
 Expectations are computed independently: element bits via `struct` (not the module's `raw_bits`), and a
 pure-Python splitmix64 finaliser anchored to the published SplitMix64 output sequence.
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference_impl.fingerprint import _header, fingerprint, float_bits_hex
+from trainerkit.fingerprint import _header, fingerprint, float_bits_hex
 
 MASK64 = (1 << 64) - 1
 # dtype -> (bit width, integer view dtype of the same size) used to flip bits in place

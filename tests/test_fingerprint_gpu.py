@@ -1,4 +1,4 @@
-"""The on-device fingerprint (reference_impl/fingerprint_gpu.py) equals the CPU definition bit for bit.
+"""The on-device fingerprint (trainerkit/fingerprint_gpu.py) equals the CPU definition bit for bit.
 
 With a CUDA device the kernels run on it.  Without one, the same kernels run on CPU tensors in Triton's
 interpreter (TRITON_INTERPRET=1 is set only while this module imports the kernels and while its tests run,
@@ -22,7 +22,7 @@ try:
     triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
     import triton.language as tl
 
-    from reference_impl import fingerprint_gpu as fg
+    from trainerkit import fingerprint_gpu as fg
     if not HAS_CUDA and not fg.INTERPRET:         # imported earlier without the interpreter: re-decorate
         fg = importlib.reload(fg)
 
@@ -50,7 +50,7 @@ finally:
         else:
             os.environ["TRITON_INTERPRET"] = _saved_env
 
-from reference_impl.fingerprint import _mix, fingerprint, fingerprint_hex  # noqa: E402
+from trainerkit.fingerprint import _mix, fingerprint, fingerprint_hex  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
@@ -216,8 +216,8 @@ def test_module_imports_and_falls_back_without_triton():
     """Without Triton: the module imports, CPU tensors use the reference, `available()` is False."""
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch\n"
-            "from reference_impl import fingerprint_gpu as fg\n"
-            "from reference_impl.fingerprint import fingerprint\n"
+            "from trainerkit import fingerprint_gpu as fg\n"
+            "from trainerkit.fingerprint import fingerprint\n"
             "assert not fg.HAVE_TRITON and not fg.available()\n"
             "t = torch.arange(10.0)\n"
             "assert fg.fingerprint_many([t]) == [fingerprint(t)]\n"

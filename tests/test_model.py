@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from reference_impl import names
+from trainerkit import names
 from reference_impl.config import ModelConfig, parse_moe_layer_freq
 from reference_impl.init import init_parameters
 from reference_impl.layout import PipelineLayout

@@ -1,4 +1,4 @@
-"""The fp64v2 fingerprint (`reference_impl.fingerprint`) computed on the GPU with Triton kernels.
+"""The fp64v2 fingerprint (`trainerkit.fingerprint`) computed on the GPU with Triton kernels.
 
 `fingerprint_device(t)` / `fingerprint_many(tensors)` return exactly `fingerprint.fingerprint(t)` for every
 tensor, bit for bit, without copying tensors to the host: only one 8-byte sum per tensor comes back, and the
@@ -398,7 +398,7 @@ def fingerprint_many_async(tensors, **options) -> PendingFingerprints:
     for device, idxs in by_device.items():
         if not HAVE_TRITON:
             raise TritonUnavailableError("fingerprinting CUDA tensors on the device needs Triton "
-                                         "(pip install triton); reference_impl.fingerprint works on the host")
+                                         "(pip install triton); trainerkit.fingerprint works on the host")
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
             sums, plan, keep = _launch(tensors if len(idxs) == len(tensors) else [tensors[j] for j in idxs], cfg)
         out._pending.append((idxs, sums, plan, keep))

@@ -111,7 +111,7 @@ class PendingHex:
 
 def fingerprint_hex_many_async(tensors: list) -> PendingHex:
     """Start `fingerprint_hex` of each tensor.  CUDA tensors go to the on-device kernel
-    (`reference_impl.fingerprint_gpu.fingerprint_many_async`: a few launches for the whole list, on the current
+    (`trainerkit.fingerprint_gpu.fingerprint_many_async`: a few launches for the whole list, on the current
     stream, so later in-place updates of the tensors on that stream cannot race them) when Triton is available,
     and nothing waits for them until `PendingHex.hex()`; everything else is fingerprinted here and now."""
     out: list = [None] * len(tensors)

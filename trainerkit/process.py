@@ -1,0 +1,84 @@
+"""The rank-process lifecycle every trainer's worker follows, so no process outlives the harness.
+
+Two launchers start ranks: the harness runner's forkserver (the worker module is imported there before any
+fork, so the trainer's imports are paid once, not once per rank) and ``torchrun -m <worker> CONFIG RUN_DIR``.
+The forkserver, every rank and (in the runner) torchrun ask the kernel for SIGKILL when their parent exits
+(`die_with_parent`), so a harness killed by any signal, SIGKILL included, takes the whole tree with it.  A
+forkserver would not exit on its own: every child it forks inherits the write end of its "alive" pipe, so
+ranks stuck in a receive keep it, and it them, alive.
+
+Import this module before anything slow: it reads the parent's pid at import time, to keep short the window
+in which the parent can die unnoticed.
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TextIO
+
+PARENT_AT_IMPORT = os.getppid()         # torchrun worker: the torchrun agent; forkserver: the harness
+IMPORTED_BY = os.getpid()               # forkserver ranks inherit this: the forkserver, i.e. their parent
+_PR_SET_PDEATHSIG = 1
+# loaded once here: die_with_parent also runs between fork and exec (the runner's torchrun preexec_fn)
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process as soon as its parent exits, whatever it dies of (prctl
+    PR_SET_PDEATHSIG; strictly: when the parent's thread that forked this process exits; kept across exec).
+    The request only covers deaths from now on, so if the parent is no longer `parent` (it died first and
+    this process was re-parented), exit at once.  No-op off Linux.
+
+    Raises OSError when prctl fails."""
+    if _LIBC is None:
+        return
+    if _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def imported_by_forkserver() -> bool:
+    """True in multiprocessing's forkserver, which imports the worker modules as a preload (`harness.runner`)."""
+    fs = sys.modules.get("multiprocessing.forkserver")
+    frame = sys._getframe()
+    while fs is not None and frame is not None:
+        if frame.f_code is fs.main.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def guard_forkserver() -> None:
+    """Call at the top of a worker module, before its slow imports.  In the forkserver: die with the harness
+    (then ranks need only die with the forkserver) and ignore SIGINT: Ctrl-C reaches the whole process group;
+    the forkserver ignores SIGINT itself, but only after its preload, so an early Ctrl-C would end it with a
+    traceback instead of the harness's one line.  Ranks inherit it and are ended by the harness (and by their
+    parent's death).  Elsewhere: nothing."""
+    if imported_by_forkserver():
+        die_with_parent(PARENT_AT_IMPORT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def enter_rank(rank: int, run_dir: str, forked: bool) -> TextIO:
+    """First thing a rank does: die with the forkserver (`forked`: started by the runner's forkserver, not
+    torchrun), send stdout/stderr to ``RUN_DIR/rank{r}.log`` (an uncaught exception leaves its traceback there)
+    and dump every thread's Python stack there on SIGUSR1 (the watchdog asks before killing a hung rank).
+    Returns the log file.  Exits quietly (code 1) if the run directory is gone: the harness was interrupted
+    and removed it, so there is nothing to report to."""
+    if forked and IMPORTED_BY != os.getpid():
+        die_with_parent(IMPORTED_BY)
+    try:
+        log = open(Path(run_dir) / f"rank{rank}.log", "w", buffering=1)
+    except FileNotFoundError:
+        os._exit(1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    return log
