@@ -23,7 +23,15 @@ from typing import Optional
 from reference_impl.config import RunConfig
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["reference_impl.worker"])
+# the launch entry point of each trainer: a module with rank_main(...) (forkserver) and main() (torchrun -m)
+WORKERS = {"reference": "reference_impl.worker", "megatron-core": "megatron_trainer.worker"}
+_CTX.set_forkserver_preload([WORKERS["reference"]])
+
+
+def preload(trainers) -> None:
+    """Have the forkserver import these trainers' workers before it forks ranks (call before the first run:
+    a forkserver already running keeps its preload, and its ranks then import the trainer themselves)."""
+    _CTX.set_forkserver_preload([WORKERS[t] for t in ("reference", *sorted(set(trainers) - {"reference"}))])
 
 
 @dataclass
@@ -143,7 +151,7 @@ def run_torchrun(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
     cfg_path = run_dir / "config.json"
     cfg_path.write_text(cfg.model_dump_json())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "reference_impl.worker", str(cfg_path), str(run_dir)]
+           "-m", WORKERS[cfg.trainer], str(cfg_path), str(run_dir)]
     start = time.monotonic()
     with open(run_dir / "torchrun.log", "w") as log:
         harness = os.getpid()
@@ -175,14 +183,14 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "
     launcher: "fork" (forkserver children, default) or "torchrun" (`run_torchrun`)."""
     if launcher == "torchrun":
         return run_torchrun(cfg, run_dir, timeout_s)
-    from reference_impl.worker import rank_main
+    from trainerkit.process import launch
 
     world = cfg.parallel.world_size
     run_dir.mkdir(parents=True, exist_ok=True)
     store = run_dir / "filestore"
     store.unlink(missing_ok=True)
     start = time.monotonic()
-    procs = [_CTX.Process(target=rank_main, args=(r, world, cfg.model_dump_json(), str(run_dir), str(store)),
+    procs = [_CTX.Process(target=launch, args=(WORKERS[cfg.trainer], r, world, cfg.model_dump_json(), str(run_dir), str(store)),
                           name=f"bitparity-rank{r}", daemon=True) for r in range(world)]
     error = None
     try:

@@ -243,7 +243,10 @@ class RunConfig(_Strict):
     dump: Optional[DumpConfig] = None
     checkpoint: Optional[CheckpointConfig] = None
     resume_from: Optional[str] = None            # checkpoint directory: continue after its step
-    inject: Optional[str] = None             # test-only planted fault (reference_impl.faults)
+    # which trainer runs it: ours (reference_impl) or megatron-core's own model, schedules and optimizer
+    # (megatron_trainer); both write the same trace (TRACE_FORMAT.md)
+    trainer: Literal["reference", "megatron-core"] = "reference"
+    inject: Optional[str] = None             # test-only planted fault (reference_impl.faults, megatron_trainer.faults)
     rank_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S)  # gloo collective / p2p timeout inside ranks
 
     @model_validator(mode="after")

@@ -40,8 +40,8 @@ class RankState:
 
     ``params``: (key, global name, replica tag, parameter, canonical order key) per parameter, in chunk order;
     each parameter carries an fp32 ``main_grad``.  Non-expert parameters of EP rank r > 0 are replicas tagged
-    ``ep{r}`` (`names.ep_replica`).  The canonical order key is computed over the EP = 1 parameter list, so it
-    does not depend on EP.  ``weight_decay``: key -> whether it is in the optimizer's decay group (the one
+    ``ep{r}`` (`names.ep_replica`).  The canonical order key (`names.order_key`) is a function of the name
+    alone, so it depends on neither the layout nor EP.  ``weight_decay``: key -> whether it is in the optimizer's decay group (the one
     source for both the optimizer and the trace header).
     """
 
@@ -62,14 +62,8 @@ class RankState:
                        for s in self.layout.stages_of_rank(self.pp_rank)}
         self.params = []
         self.weight_decay: dict[str, bool] = {}
-        within: dict = {}
         for chunk in self.chunks.values():
-            named, orders = [], {}
-            for name, replica, p in chunk.global_parameters():       # EP = 1's list: canonical order keys
-                sec = names.section_and_layer(name)
-                within[(sec, replica)] = within.get((sec, replica), -1) + 1
-                orders[id(p)] = (*sec, within[(sec, replica)])
-                named.append((name, replica, p))
+            named = list(chunk.global_parameters())
             for layer in chunk.moe_layers():
                 layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)
                 layer.set_expert_parallel(self.ep, faults.ep_unsorted_dispatch(cfg.inject))
@@ -84,7 +78,7 @@ class RankState:
                 # fp32 master weights for the optimizer (Megatron's bf16 optimizer); fp32 params are their own
                 p.master = p if p.dtype == torch.float32 else p.detach().float().clone()
                 key = names.replica_key(name, replica)
-                self.params.append((key, name, replica, p, orders[id(p)]))
+                self.params.append((key, name, replica, p, names.order_key(name)))
                 self.weight_decay[key] = faults.weight_decay(cfg.inject, name, names.is_matrix(name, p.ndim))
 
     def header(self) -> dict:

@@ -83,3 +83,51 @@ def replica_key(name: str, replica: str | None) -> str:
 def is_matrix(name: str, ndim: int) -> bool:
     """Weight decay applies to matrices only (Megatron: no decay on norms and biases)."""
     return ndim >= 2
+
+
+# Position of each parameter within its layer, in the reference model's registration order (attention, then the
+# MLP: dense, or router, routed experts by id, shared expert); the MTP layer wraps a decoder layer.
+_LAYER_LEAVES = ("input_layernorm.weight", "self_attention.linear_q_down_proj.weight",
+                 "self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.weight",
+                 "self_attention.linear_kv_down_proj.weight", "self_attention.kv_layernorm.weight",
+                 "self_attention.linear_kv_up_proj.weight", "self_attention.linear_proj.weight",
+                 "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.router.weight",
+                 "mlp.experts.*", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight")
+_MTP_LEAVES = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "transformer_layer.*", "final_layernorm.weight")
+_EXPERT_LEAF = re.compile(r"^mlp\.experts\.(\d+)\.linear_fc([12])\.weight$")
+_WITHIN = re.compile(r"^(?:decoder|mtp)\.layers\.\d+\.(.*)$")
+_SPAN = 1 << 20          # room for the routed experts' entries (2 per expert) inside one leaf slot
+
+
+def _leaf_index(leaf: str, name: str) -> int:
+    m = _EXPERT_LEAF.match(leaf)
+    if m:
+        return _LAYER_LEAVES.index("mlp.experts.*") * _SPAN + 2 * int(m.group(1)) + int(m.group(2)) - 1
+    if leaf in _LAYER_LEAVES:
+        return _LAYER_LEAVES.index(leaf) * _SPAN
+    raise ValueError(f"unknown parameter name {name!r}")
+
+
+def order_key(name: str) -> tuple[int, int, int]:
+    """Canonical order key ``(section, layer id, index within layer)`` of a global parameter name: section 0
+    embedding, 1 decoder layers by global id, 2 final norm, 3 MTP depths, 4 output head; within a layer the
+    reference model's registration order (routed experts by id, fc1 before fc2).  A function of the name
+    alone, so every trainer and every layout orders parameters alike.
+
+    Raises:
+        ValueError: not a known parameter name.
+    """
+    section, layer = section_and_layer(name)
+    m = _WITHIN.match(name)
+    if m is None:
+        return section, layer, 0
+    leaf = m.group(1)
+    if section == 1:
+        return section, layer, _leaf_index(leaf, name)
+    if leaf.startswith("transformer_layer."):
+        return section, layer, (_MTP_LEAVES.index("transformer_layer.*") + 1) * _SPAN * len(_LAYER_LEAVES) \
+            + _leaf_index(leaf[len("transformer_layer."):], name)
+    if leaf in _MTP_LEAVES:
+        slot = _MTP_LEAVES.index(leaf)
+        return section, layer, slot if slot < 3 else (slot + 2) * _SPAN * len(_LAYER_LEAVES)
+    raise ValueError(f"unknown parameter name {name!r}")

@@ -82,3 +82,11 @@ def enter_rank(rank: int, run_dir: str, forked: bool) -> TextIO:
     sys.stdout = sys.stderr = log
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     return log
+
+
+def launch(worker: str, *args) -> None:
+    """Forkserver target: ``<worker>.rank_main(*args)``, the worker module imported here (in the rank) so the
+    harness never imports a trainer (megatron-core's import alone takes seconds); with the module preloaded in
+    the forkserver this is a dictionary lookup."""
+    import importlib
+    importlib.import_module(worker).rank_main(*args)

@@ -12,11 +12,16 @@ from .linear import Linear
 
 
 class MLASelfAttention(nn.Module):
-    """Causal MLA.  Input x [s, b, h] fp32, RoPE tables [s, 1, 1, r/2] -> output [s, b, h].
+    """Causal MLA.  Input x [s, b, h] fp32, RoPE tables [s, 1, 1, r/2] (`rope_cos_sin`) -> output [s, b, h].
 
     Queries: ``W_UQ · RMSNorm(W_DQ x)`` -> per head [d_qk nope | r rope]; keys/values from the compressed
     ``c_kv = RMSNorm(W_DKV x)[:kv_lora]`` via ``W_UKV``; the rope part of the key is one shared head
-    taken from the last r columns of ``W_DKV x``.  Softmax scale ``1/sqrt(d_qk + r)``.
+    taken from the last r columns of ``W_DKV x``.  RoPE as megatron's MLA with ``rope_type="rope"``
+    (multi_latent_attention.py, ``MLASelfAttention.get_query_key_value_tensors`` ->
+    ``qkv_up_proj_and_rope_apply``): `apply_rope` on q_pos_emb [s, b, n, r] and on k_pos_emb [s, b, 1, r],
+    which is then expanded to n heads; the roped parts stay de-interleaved.  Softmax scale
+    ``mscale**2 / sqrt(d_qk + r)`` with mscale = 1 (``MLASelfAttention.__init__``: ``_yarn_get_mscale``
+    is 1 for megatron's default ``mscale_all_dim=0``).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -40,6 +45,7 @@ class MLASelfAttention(nn.Module):
         kv_c, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora, self.r], dim=-1)
         kv = self.linear_kv_up_proj(self.kv_layernorm(kv_c)).view(s, b, self.n, self.dq + self.dv)
         k_nope, v = kv.split([self.dq, self.dv], dim=-1)
+        # rope on the shared key head once, then broadcast to every head (megatron: unsqueeze(-2), apply, expand)
         q = torch.cat((q_nope, apply_rope(q_pe, cos, sin)), dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).expand(s, b, self.n, self.r)
         k = torch.cat((k_nope, k_pe), dim=-1)

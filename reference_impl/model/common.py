@@ -27,18 +27,33 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(seq_len: int, dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables (Su et al. 2021) for positions 0..seq_len-1: cos, sin of shape [s, 1, 1, dim/2], fp32
-    (computed in fp64 on the CPU, so every device and layout gets the same table bits).
+    """Plain RoPE tables (Su et al. 2021) for positions 0..seq_len-1: cos, sin of shape [s, 1, 1, dim/2], fp32.
+
+    The angles are megatron's bit for bit: ``RotaryEmbedding.__init__`` / ``get_freqs_non_repeated``
+    (megatron/core/models/common/embeddings/rotary_pos_embedding.py, rotary_percent 1, no interpolation)
+    build ``inv_freq = 1 / base**(arange(0, dim, 2) / dim)`` and ``outer(arange(s), inv_freq)`` in fp32, and
+    ``rope_utils._apply_rotary_pos_emb_bshd`` takes cos/sin of them in fp32 before casting to the activation
+    dtype.  Megatron's table is ``cat(freqs, freqs)`` [s, 1, 1, dim]; its two halves are the same numbers,
+    so half of it is kept here (`apply_rope` uses it on both halves).  The tables are always computed on the
+    CPU, so every device and layout gets the same bits (Megatron evaluates cos/sin on the GPU instead).
 
     The same unshifted table serves the decoder and the MTP layers (megatron-semantics §2.3 step 3).
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float()[:, None, None, :], angles.sin().float()[:, None, None, :]
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos()[:, None, None, :], angles.sin()[:, None, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the last dim of x [s, b, n, d] with tables [s, 1, 1, d/2]."""
+    """Megatron's MLA RoPE on the last dim of x [s, b, n, d] with tables [s, 1, 1, d/2] in x's dtype.
+
+    ``rope_utils._apply_rotary_pos_emb_bshd`` with ``multi_latent_attention=True, rotary_interleaved=False,
+    mscale=1``: first de-interleave ``[x0, x1, x2, ...] -> [x0, x2, ... | x1, x3, ...]`` (DeepSeek-V3's
+    checkpoints store the rope dims as interleaved pairs), then rotate-half: ``x * cos + [-x2 | x1] * sin``.
+    The output stays de-interleaved, as in megatron: q and k get the same permutation, so q.k is unchanged.
+    Bitwise equal to megatron's ``t * cos + _rotate_half(t) * sin`` (``a - b == a + (-b)`` in IEEE).
+    """
+    x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

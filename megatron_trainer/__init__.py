@@ -1,0 +1,1 @@
+"""The megatron-core trainer: megatron-core's own GPTModel, schedules, DDP and optimizer, writing the bitparity trace."""

@@ -1,0 +1,189 @@
+"""Run megatron-core on a CPU-only torch over gloo: seven documented points, applied in the rank process.
+
+megatron-core targets CUDA (+ Transformer Engine); on CPU it fails in seven places, all of them device
+plumbing, none of them arithmetic.  Each point below names the megatron file and what it hits, and patches
+the smallest thing that makes it run.  Nothing here edits the installed package, and nothing here runs on a
+CUDA device (`apply` is called only for ``device: cpu``): on a GPU megatron runs as shipped.
+
+Every point checks that the code it works around still looks the way it did in the versions it was written
+for (`SUPPORTED`) and raises `CompatError` naming the point when it does not (a newer megatron-core may have
+fixed it, or moved it), so the layer never silently patches the wrong thing.
+
+Arithmetic: no point changes a computation.  Streams, events and synchronisation are inert on CPU (gloo
+collectives are synchronous); the CUDA RNG tracker is only consulted around dropout, which is 0 in every
+bitparity run (`ModelConfig.hidden_dropout` / `attention_dropout` are fixed at 0).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+
+import torch
+
+VERSION = "1"                        # of this layer; recorded in every manifest beside megatron-core's version
+SUPPORTED = ("0.16.",)               # megatron-core versions the points were checked against
+
+
+class CompatError(RuntimeError):
+    """A compatibility point no longer matches the installed megatron-core (message names the point)."""
+
+
+def _require(cond: bool, point: str, what: str) -> None:
+    if not cond:
+        raise CompatError(f"megatron CPU compat point {point}: {what}; the installed megatron-core differs from "
+                          f"the versions this layer was written for ({', '.join(SUPPORTED)}x): update "
+                          "megatron_trainer/compat.py")
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+class _InertStream:
+    """Stand-in for torch.cuda.Stream / Event on CPU: every operation is immediate, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, *args):
+        return _InertStream()
+
+    def record(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _InertStream)
+
+    def __hash__(self):
+        return 0
+
+
+_CPU = torch.device("cpu")
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like")
+
+
+class _CpuTorch(types.ModuleType):
+    """The ``torch`` a megatron module sees (point 6): `torch` itself, except that the tensor factories put a
+    ``device="cuda"`` tensor on the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in _FACTORIES:
+            @functools.wraps(attr)
+            def factory(*args, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _CPU
+                return attr(*args, **kwargs)
+            return factory
+        return attr
+
+
+_applied = False
+
+
+def apply() -> None:
+    """Apply the seven points (idempotent).  Call in a CPU rank after importing megatron.core, before building
+    anything.
+
+    Raises:
+        CompatError: megatron-core's version is not in `SUPPORTED`, or a point no longer matches its code.
+    """
+    global _applied
+    if _applied:
+        return
+    import megatron.core
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import dot_product_attention as dpa
+    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core import utils as mutils
+    from megatron.core.transformer import utils as tutils
+
+    version = megatron.core.__version__
+    if not version.startswith(SUPPORTED):
+        raise CompatError(f"megatron-core {version} is not one the CPU compat layer was checked against "
+                          f"({', '.join(SUPPORTED)}x); update megatron_trainer/compat.py (or run on CUDA)")
+
+    # 1. torch.cuda.current_device() is used as a device argument all over megatron (router, MTP, gpt_model,
+    #    param_and_grad_buffer, p2p shape exchange): on CPU it names the CPU.  The CUDA RNG tracker
+    #    (tensor_parallel/random.py) forks CUDA generator states around dropout: with dropout 0 there is no
+    #    state to fork, so `fork` is a plain context and `add` only records the seed.
+    _require(hasattr(mrandom.CudaRNGStatesTracker, "fork") and hasattr(mrandom.CudaRNGStatesTracker, "add"),
+             "1", "tensor_parallel.random.CudaRNGStatesTracker has no fork/add")
+    torch.cuda.current_device = lambda: _CPU
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+    mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: self.seeds_.add(seed)
+
+    # 2. DotProductAttention (the non-TE core attention) does not accept the k_channels / v_channels that MLA
+    #    passes (multi_latent_attention.py, MLASelfAttention.__init__), and sizes its output by kv_channels:
+    #    accept them and size the output heads by v_channels (MLA passes its softmax scale explicitly).
+    init = dpa.DotProductAttention.__init__
+    _require("k_channels" not in inspect.signature(init).parameters and "k_channels=" in _source(mla),
+             "2", "DotProductAttention.__init__ now takes k_channels, or MLA no longer passes it")
+
+    @functools.wraps(init)
+    def dpa_init(self, *args, k_channels=None, v_channels=None, **kwargs):
+        init(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+        if k_channels is not None:
+            self.hidden_size_per_attention_head = k_channels
+    dpa.DotProductAttention.__init__ = dpa_init
+
+    # 3. multi_latent_attention.HAVE_TE is true without Transformer Engine (its try-import of megatron's TE
+    #    extension module succeeds even when TE is absent), which sends MLA down TE-only paths.
+    _require(hasattr(mla, "HAVE_TE"), "3", "multi_latent_attention.HAVE_TE is gone")
+    mla.HAVE_TE = False
+
+    # 4. CUDA streams, events and synchronize: MoE alltoall dispatcher (moe/token_dispatcher.py: a side stream
+    #    for device-to-host copies), p2p shape exchange (pipeline_parallel/p2p_communication.py), DDP's
+    #    communication stream (distributed/param_and_grad_buffer.py).  gloo is synchronous: inert stand-ins.
+    torch.cuda.Stream = torch.cuda.Event = _InertStream
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: _InertStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None
+    torch.Tensor.record_stream = lambda self, stream: None
+
+    # 5. LanguageModule.setup_embeddings_and_output_layer moves the MTP stage's embedding with Tensor.cuda()
+    #    (models/common/language_module/language_module.py).
+    _require(".cuda()" in _source(language_module.LanguageModule.setup_embeddings_and_output_layer), "5",
+             "setup_embeddings_and_output_layer no longer calls .cuda()")
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    # 6. device="cuda" tensor factories in schedules.py (token counts), optimizer.py (found_inf, scale),
+    #    clip_grads.py (norm buffers), utils.py (local l2norm fallback), transformer/utils.py (the default causal
+    #    mask of the non-TE softmax): these modules see `_CpuTorch`.
+    for module in (schedules, optimizer, clip_grads, mutils, tutils):
+        _require(getattr(module, "torch", None) is torch and "device='cuda'" in _source(module).replace('"', "'"),
+                 "6", f"{module.__name__} no longer creates tensors with device='cuda'")
+        module.torch = _CpuTorch()
+
+    # 7. moe_utils.te_general_gemm is referenced (router gemm, moe_utils.py RouterGatingLinearFunction) but only
+    #    defined when the TE import succeeds: without TE the name is missing (NameError), not None.
+    _require("te_general_gemm" not in vars(moe_utils) and "te_general_gemm is not None" in _source(moe_utils), "7",
+             "moe_utils.te_general_gemm is now defined without TE, or no longer tested against None")
+    moe_utils.te_general_gemm = None
+    _applied = True

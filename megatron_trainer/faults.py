@@ -1,0 +1,29 @@
+"""Planted defects of the megatron-core trainer (test-only, `RunConfig.inject`): real changes to what megatron
+computes, so the tests can prove that a check fails when the trainer is broken.
+
+* ``skip_mtp_embedding_sync``: ``finalize_model_grads`` without the word-embedding all-reduce between the first
+  stage and the MTP stage (``_allreduce_word_embedding_grads``): the MTP stage's embedding replica keeps its own
+  gradient and then drifts from the first stage's embedding.  Only layouts with a separate MTP stage hold a
+  replica, so only they are affected.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+NAMES = ("skip_mtp_embedding_sync",)
+
+
+def finalize(inject: Optional[str], finalize_model_grads: Callable) -> Callable:
+    """megatron's ``finalize_model_grads``, or the planted defect's version of it."""
+    if inject != "skip_mtp_embedding_sync":
+        return finalize_model_grads
+    from megatron.core.distributed import finalize_model_grads as module
+
+    def without_embedding_sync(*args, **kwargs):
+        original = module._allreduce_word_embedding_grads
+        module._allreduce_word_embedding_grads = lambda *a, **k: None
+        try:
+            return finalize_model_grads(*args, **kwargs)
+        finally:
+            module._allreduce_word_embedding_grads = original
+    return without_embedding_sync

@@ -1,0 +1,175 @@
+"""Build megatron-core's GPTModel (MLA, MoE, MTP) for one pipeline rank from a bitparity run config.
+
+One model chunk per virtual stage of this rank, as Megatron-LM's ``training.get_model`` /
+``gpt_builders.gpt_builder`` build them: the layout string goes to megatron as-is
+(``pipeline_model_parallel_layout``), so megatron's own parser and validator decide what each chunk holds;
+pre/post-process by ``is_pipeline_first_stage`` / ``is_pipeline_last_stage(ignore_virtual=False)``; the MTP
+block spec where ``mtp_on_this_rank(ignore_virtual=False)``, its inner layer the spec of the *global* last
+decoder layer (an MTP-only stage's own block spec is empty).  Local (non-TE) specs; plain RoPE.
+
+Then every parameter is renamed to its global name (`global_parameters`) and re-initialised from the case seed
+keyed by that name (`reference_impl.init`), as the reference trainer does: Megatron's own init depends on which
+parameters a rank builds, which would make every layout start from other weights.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from reference_impl.config import RunConfig
+from trainerkit import names
+
+
+def transformer_config(cfg: RunConfig):
+    """megatron's MLATransformerConfig for `cfg` (Megatron names map one to one; the rest pinned here).
+
+    Pinned, with why: ``overlap_p2p_comm=True, batch_p2p_comm=False`` (on gloo megatron's default batched p2p
+    pairs the wrong messages at P=2 V=2 and deadlocks at P=4 with a standalone MTP stage; Megatron-LM's
+    default with virtual stages anyway); ``rope_type="rope"`` (plain RoPE, as the reference; MLA's default is
+    YaRN); the seq aux loss and sigmoid router of DeepSeek-V3 §2.1.2; the alltoall dispatcher; no bias, no
+    dropout, RMSNorm, SwiGLU; fp32 router; ``use_cpu_initialization`` (weights are re-initialised anyway).
+    """
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    m, t, par = cfg.model, cfg.training, cfg.parallel
+    bf16 = cfg.params_dtype == "bfloat16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    virtual = _virtual_size(cfg)
+    return MLATransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.v_head_dim,
+        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_type="rope",
+        rotary_base=m.rotary_base, normalization="RMSNorm", layernorm_epsilon=m.layernorm_epsilon,
+        qk_layernorm=True, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=m.init_method_std,
+        num_moe_experts=m.num_moe_experts, moe_layer_freq=m.moe_layers, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_router_topk=m.moe_router_topk, moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk, moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_router_load_balancing_type="seq_aux_loss",
+        moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+        mtp_num_layers=m.mtp_num_layers or None,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor if m.mtp_num_layers else None,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual, expert_model_parallel_size=1,
+        pipeline_model_parallel_layout=par.pipeline_model_parallel_layout,
+        overlap_p2p_comm=virtual is not None, batch_p2p_comm=False,
+        overlap_moe_expert_parallel_comm=par.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=par.delay_wgrad_compute,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16, use_cpu_initialization=True,
+        perform_initialization=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, cross_entropy_loss_fusion=False, deterministic_mode=True,
+    )
+
+
+def _virtual_size(cfg: RunConfig):
+    """V, or None for V = 1 (megatron's convention: None selects the non-interleaved schedules)."""
+    from reference_impl.layout import PipelineLayout
+
+    par, m = cfg.parallel, cfg.model
+    layout = PipelineLayout.from_string(par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size,
+                                        m.num_layers, m.mtp_num_layers)
+    v = layout.virtual_pipeline_model_parallel_size
+    return v if v > 1 else None
+
+
+def build_chunks(cfg: RunConfig, config) -> list:
+    """GPTModel chunks of this pipeline rank, one per virtual stage in virtual-stage order (fp32 or bf16 on
+    the current device; parameters not yet re-initialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs,
+                                                          get_gpt_mtp_block_spec)
+    from megatron.core.transformer.enums import ModelType
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+
+    virtual = config.virtual_pipeline_model_parallel_size
+    last_layer_spec = get_gpt_decoder_layer_specs(config, use_transformer_engine=False)[-1]
+    chunks = []
+    for vp in range(virtual or 1):
+        vp_stage = vp if virtual else None
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+        mtp = None
+        if config.mtp_num_layers and mtp_on_this_rank(config, ignore_virtual=virtual is None, vp_stage=vp_stage):
+            mtp = get_gpt_mtp_block_spec(config, last_layer_spec, use_transformer_engine=False, vp_stage=vp_stage)
+        model = GPTModel(
+            config=config, transformer_layer_spec=block, vocab_size=cfg.model.vocab_size,
+            max_sequence_length=cfg.training.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=False, position_embedding_type="rope",
+            rotary_base=int(cfg.model.rotary_base) if float(cfg.model.rotary_base).is_integer() else cfg.model.rotary_base,
+            mtp_block_spec=mtp, vp_stage=vp_stage)
+        model.model_type = ModelType.encoder_or_decoder
+        model.vp_stage = vp_stage
+        chunks.append(model)
+    return chunks
+
+
+_DECODER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+@dataclass
+class GlobalParam:
+    """One parameter of a chunk under its global name.  ``replica``: ``mtp`` for the MTP stage's copy of the
+    word embedding when the first stage's embedding lives in another chunk (TRACE_FORMAT.md)."""
+
+    name: str
+    replica: str | None
+    param: torch.nn.Parameter
+    chunk: int
+
+
+def _layer_ids(model) -> dict[str, int]:
+    """{local decoder layer index (as in megatron's parameter names): global layer id} of one chunk."""
+    return {str(i): layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)} \
+        if hasattr(model, "decoder") else {}
+
+
+def _global_name(local: str, layers: dict[str, int], experts_per_rank: int, ep_rank: int) -> str:
+    m = _DECODER.match(local)
+    name = f"decoder.layers.{layers[m.group(1)]}.{m.group(2)}" if m else local
+    return _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.{ep_rank * experts_per_rank + int(e.group(1))}.", name)
+
+
+def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int) -> list[GlobalParam]:
+    """Every parameter of `chunks` (this rank's) under its global name (`trainerkit.names`).
+
+    Megatron names a chunk's decoder layers by local index; the global layer id is the module's
+    ``layer_number - 1``.  Routed experts (``SequentialMLP``: ``mlp.experts.local_experts.{i}``) become
+    ``mlp.experts.{ep_rank * experts_per_rank + i}``.  A word embedding in a chunk without pre-process is the
+    MTP stage's replica.
+
+    Raises:
+        ValueError: a parameter whose name the mapping does not know (megatron-core changed its naming).
+    """
+    out = []
+    for c, model in enumerate(chunks):
+        layers = _layer_ids(model)
+        for local, p in model.named_parameters():
+            name = _global_name(local, layers, experts_per_rank, ep_rank)
+            replica = "mtp" if name == names.EMBEDDING and not model.pre_process else None
+            names.family(name)              # raises ValueError for a name the harness cannot place
+            out.append(GlobalParam(name, replica, p, c))
+    return out
+
+
+def expert_biases(chunks: list) -> dict[str, torch.Tensor]:
+    """{global name: buffer} of the routers' ``expert_bias`` (updated by ``finalize_model_grads``), in
+    canonical order."""
+    out = {}
+    for model in chunks:
+        layers = _layer_ids(model)
+        for local, buf in model.named_buffers():
+            if local.endswith("router.expert_bias"):
+                out[_global_name(local, layers, 0, 0)] = buf
+    return dict(sorted(out.items(), key=lambda kv: names.order_key(kv[0][:-len("expert_bias")] + "weight")))

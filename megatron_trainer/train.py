@@ -1,0 +1,201 @@
+"""One rank of a megatron-core training run, top to bottom, writing the bitparity trace (TRACE_FORMAT.md).
+
+megatron does the training: its parallel state, GPTModel chunks (`model.build_chunks`), DDP with fp32
+``main_grad`` buffers, ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved, chosen by megatron
+from P and V), ``finalize_model_grads`` (embedding all-reduce between the first and the MTP stage, expert-bias
+update), ``get_megatron_optimizer`` (Adam, its grad norm and ``clip_grad``).  This module only feeds it the
+case's data and reads what it computed:
+
+* per microbatch, on the loss stage: the lm loss (``sum(CE * mask) / num_tokens``, from megatron's per-token
+  losses in the loss function) and each MTP depth's loss (as megatron hands it to
+  ``MTPLossLoggingHelper.save_loss_to_tracker``);
+* after the schedule (which ends in ``finalize_model_grads``): every parameter's ``main_grad`` by global name;
+* after ``optimizer.step()``: every parameter, the routers' ``expert_bias``, and the grad norm megatron used
+  for clipping (a Python float: fp32 sum of squares, square root in float64; `clip_grads.get_grad_norm_fp32`).
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from reference_impl.config import RunConfig
+from reference_impl.data import TokenDataset
+from reference_impl.init import init_parameters
+from trainerkit import names
+from trainerkit.capture import FORMAT, TraceWriter, scalar
+from trainerkit.fingerprint import fingerprint_hex_many
+
+from . import faults
+from .model import build_chunks, expert_biases, global_parameters, transformer_config
+
+
+class LossRecorder:
+    """Per-microbatch losses of the loss stage, in the order megatron computes them (microbatch order)."""
+
+    def __init__(self):
+        self.lm: list[tuple[torch.Tensor, torch.Tensor]] = []     # (sum(CE * mask), num_tokens) per microbatch
+        self.mtp: list[torch.Tensor] = []                          # per microbatch x depth, in call order
+
+    def loss_func(self, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+        """Megatron-LM's ``pretrain_gpt.loss_func``: per-token losses [b, s] fp32 -> (sum(CE * mask),
+        num_tokens, report); megatron's schedule divides by num_tokens and num_microbatches."""
+        losses = output_tensor.view(-1).float()
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * mask)
+        num_tokens = mask.sum().clone().detach().to(torch.int)
+        self.lm.append((loss.detach().clone(), num_tokens))
+        return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+    def take(self, mtp_num_layers: int) -> tuple[list, dict]:
+        """The step's ``losses`` records and reported ``lm_loss`` (sum of loss sums / sum of token counts, left
+        to right, as the reference trainer reports it); clears the recorder."""
+        out, loss_sum, tokens = [], None, None
+        for m, (s, n) in enumerate(self.lm):
+            mtp = self.mtp[m * mtp_num_layers:(m + 1) * mtp_num_layers]
+            out.append({"microbatch": m, "lm": scalar(s / n.clamp(min=1)), "num_tokens": int(n.item()),
+                        "mtp": [scalar(x) for x in mtp]})
+            loss_sum, tokens = (s, n) if loss_sum is None else (loss_sum + s, tokens + n)
+        reported = scalar(loss_sum / tokens.clamp(min=1)) if out else None
+        self.lm, self.mtp = [], []
+        return out, reported
+
+
+def _record_mtp_losses(recorder: LossRecorder) -> None:
+    """Capture each MTP depth's loss as megatron logs it (``MTPLossLoggingHelper.save_loss_to_tracker``, called
+    once per depth per microbatch in GPTModel's forward on the loss stage), then let megatron log it too."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    original = MTPLossLoggingHelper.save_loss_to_tracker
+
+    def save(loss, layer_number, num_layers, *args, **kwargs):
+        recorder.mtp.append(loss.detach().clone().float())
+        return original(loss, layer_number, num_layers, *args, **kwargs)
+    MTPLossLoggingHelper.save_loss_to_tracker = staticmethod(save)
+
+
+def _batches(data: TokenDataset, step: int, num_microbatches: int, device):
+    """Iterator over the step's microbatches as megatron's forward step takes them."""
+    for m in range(num_microbatches):
+        tokens, labels, mask = (x.to(device) for x in data.microbatch(step, m))
+        positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+        yield tokens, labels, mask, positions
+
+
+def _forward_step(recorder: LossRecorder, data_iterator, model):
+    """Megatron's forward step: every chunk gets the batch (first stage: tokens; MTP stage: tokens and positions
+    for its embedding; loss stage: labels and mask); megatron feeds hidden states between stages itself."""
+    tokens, labels, mask, positions = next(data_iterator)
+    output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    return output, partial(recorder.loss_func, mask)
+
+
+def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> None:
+    """Run ``cfg.training.train_iters`` steps of megatron-core on pipeline rank `rank` (world = P; torch
+    distributed already initialised), writing the rank trace to `trace_path`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    t, m = cfg.training, cfg.model
+    config = transformer_config(cfg)
+    ps.initialize_model_parallel(1, cfg.parallel.pipeline_model_parallel_size,
+                                 virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size)
+    chunks = [c.to(device) for c in build_chunks(cfg, config)]
+    params = global_parameters(chunks, m.num_moe_experts, 0)
+    with torch.no_grad():
+        # replicas take their logical name's values: the MTP stage's embedding starts equal to the first stage's
+        init_parameters(((gp.name, gp.param) for gp in params), m, t.seed)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+             for i, c in enumerate(chunks)]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
+                        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                        clip_grad=t.clip_grad, bf16=cfg.params_dtype == "bfloat16",
+                        params_dtype=config.params_dtype, use_distributed_optimizer=False), model)
+    config.finalize_model_grads_func = faults.finalize(cfg.inject, finalize_model_grads)
+    config.grad_scale_func = optimizer.scale_loss
+    recorder = LossRecorder()
+    _record_mtp_losses(recorder)
+    forward_backward = get_forward_backward_func()
+    data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, m.vocab_size)
+    virtual = len(chunks)
+
+    keys = [names.replica_key(gp.name, gp.replica) for gp in params]
+    decay = _weight_decay_groups(optimizer)
+    header = {"type": "header", "format": FORMAT, "rank": rank, "world_size": dist.get_world_size(),
+              "pp_rank": rank, "ep_rank": 0, "expert_model_parallel_size": 1,
+              "stages": [vp * cfg.parallel.pipeline_model_parallel_size + rank for vp in range(virtual)],
+              "params": [{"key": k, "name": gp.name, "replica": gp.replica, "shape": list(gp.param.shape),
+                          "dtype": str(gp.param.dtype).replace("torch.", ""), "family": names.family(gp.name),
+                          "weight_decay": decay[id(gp.param)], "order": list(names.order_key(gp.name))}
+                         for k, gp in zip(keys, params)],
+              "reductions": "megatron", "device": str(device), "params_dtype": cfg.params_dtype,
+              "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
+              "settings": {"overlap_p2p_comm": config.overlap_p2p_comm, "batch_p2p_comm": config.batch_p2p_comm}}
+    writer = TraceWriter(trace_path)
+    writer.write(header)
+    masters = _master_params(optimizer)
+    writer.write({"type": "init", "params": _fingerprints(cfg, [masters.get(id(gp.param), gp.param) for gp in params], keys)})
+    buffers = expert_biases(chunks)
+    for step in range(t.train_iters):
+        start = time.perf_counter()
+        for mm in model:
+            mm.zero_grad_buffer()
+        optimizer.zero_grad()
+        iterators = [_batches(data, step, t.num_microbatches, device) for _ in range(virtual)]
+        forward_backward(forward_step_func=partial(_forward_step, recorder),
+                         data_iterator=iterators if virtual > 1 else iterators[0], model=model,
+                         num_microbatches=t.num_microbatches, seq_length=t.seq_length,
+                         micro_batch_size=t.micro_batch_size, forward_only=False)
+        grads = _fingerprints(cfg, [gp.param.main_grad for gp in params], keys)
+        ok, norm, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (inf/nan in the gradients)")
+        record = {"type": "step", "step": step, "grads": grads, "grad_norm": None, "clip_coeff": None,
+                  "clipped": None}
+        if t.clip_grad > 0:
+            # clip_grads.clip_grad_by_total_norm_fp32's coefficient, in the same float64 arithmetic
+            coeff = t.clip_grad / (norm + 1.0e-6)
+            record.update(grad_norm=scalar(torch.tensor(norm, dtype=torch.float64)),
+                          clip_coeff=scalar(torch.tensor(coeff, dtype=torch.float64)), clipped=coeff < 1.0)
+        record["params"] = _fingerprints(cfg, [masters.get(id(gp.param), gp.param) for gp in params], keys)
+        record["buffers"] = dict(zip(buffers, fingerprint_hex_many(list(buffers.values())))) if buffers else {}
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            record["losses"], record["lm_loss"] = recorder.take(m.mtp_num_layers)
+        record["time_s"] = time.perf_counter() - start
+        writer.write(record)
+    writer.write({"type": "end"})
+    writer.close()
+
+
+def _fingerprints(cfg: RunConfig, tensors: list, keys: list) -> dict:
+    if cfg.capture == "losses":
+        return {}
+    return dict(zip(keys, fingerprint_hex_many(tensors)))
+
+
+def _master_params(optimizer) -> dict:
+    """{id(model param): fp32 master copy} of megatron's mixed-precision optimizer (bf16 runs); empty for fp32,
+    where the optimizer updates the model parameters themselves."""
+    out = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for model_group, main_group in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
+            for p, main in zip(model_group, main_group):
+                out[id(p)] = main
+    return out
+
+
+def _weight_decay_groups(optimizer) -> dict:
+    """{id(param): whether megatron's optimizer decays it} from its parameter groups."""
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out[id(p)] = group.get("wd_mult", 1.0) > 0 and group.get("weight_decay", 0.0) > 0
+    return out

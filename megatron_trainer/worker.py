@@ -1,0 +1,85 @@
+"""Process entry point of one megatron-core rank (world = P; TP = CP = EP = DP = 1).
+
+The same two launchers and lifecycle as every trainer (`trainerkit.process`): the harness runner's forkserver
+calls `rank_main` (this module, hence megatron-core, is imported there once, before any fork), and
+``torchrun ... -m megatron_trainer.worker CONFIG RUN_DIR`` runs `main`.
+
+torch.compile off in every rank (``torch._dynamo.config.disable``, what ``TORCH_COMPILE_DISABLE=1`` sets; the
+forkserver has imported torch before this module, so the variable alone would come too late): megatron wraps its
+fused helpers in ``torch.compile``, which costs 7-20 s in a rank's first step and gives the same bits as eager.
+On CPU the compatibility layer (`compat`) is applied in the rank before anything is built.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from trainerkit import process
+
+process.guard_forkserver()      # before the slow imports below
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (is|are) not installed.*")
+
+import torch
+import torch._dynamo.config
+import torch._inductor.config  # noqa: F401  use_deterministic_algorithms imports it (~2 s): pay once, pre-fork
+import torch.distributed as dist
+
+try:                            # the optional extra: without it the harness says so before anything runs
+    import megatron.core        # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+except ImportError:
+    pass
+
+from reference_impl.config import RunConfig
+
+
+def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None) -> None:
+    """Initialise the process group through a FileStore (gloo on CPU, NCCL on CUDA), run megatron-core's
+    training (`train.train`), write ``rank{r}.jsonl``; stdout/stderr go to ``rank{r}.log``."""
+    process.enter_rank(rank, run_dir, forked=store_path is not None)
+    from . import compat
+    from .train import train
+
+    torch._dynamo.config.disable = True
+    cfg = RunConfig.model_validate_json(cfg_json)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(cfg.training.num_threads)
+    torch.use_deterministic_algorithms(True)
+    if world_size != cfg.parallel.world_size:
+        raise RuntimeError(f"world size {world_size} but the run needs P = {cfg.parallel.world_size} ranks")
+    if cfg.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        compat.apply()
+        device, backend = torch.device("cpu"), "gloo"
+    store = dist.FileStore(store_path, world_size) if store_path else None   # None: env:// (torchrun)
+    kwargs = {"store": store} if store is not None else {}
+    from datetime import timedelta
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=cfg.rank_timeout_s), **kwargs)
+    try:
+        import megatron.core
+        print(f"rank {rank}/{world_size} pid {os.getpid()}: torch {torch.__version__}, megatron-core "
+              f"{megatron.core.__version__}, compat layer {compat.VERSION if device.type == 'cpu' else 'off'}, "
+              f"threads {torch.get_num_threads()}, {backend} on {device}")
+        train(cfg, rank, Path(run_dir) / f"rank{rank}.jsonl", device)
+        print(f"rank {rank}: done")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """torchrun entry: ``python -m megatron_trainer.worker CONFIG.json RUN_DIR``; dies with the torchrun agent."""
+    process.die_with_parent(process.PARENT_AT_IMPORT)
+    cfg_path, run_dir = (argv if argv is not None else sys.argv[1:])[:2]
+    rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), Path(cfg_path).read_text(), run_dir, None)
+
+
+if __name__ == "__main__":
+    main()
