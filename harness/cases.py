@@ -32,6 +32,8 @@ starts from another case and deep-merges this file's mappings over it)::
     CPU's kernels, the GPU).  ``diverge`` demands a difference: keep it for differences that are certain by
     construction (another model, another microbatch count, a planted bit flip).
         inject: grad_bit_flip        # test-only planted fault (reference_impl.faults); --inject sets it for all
+        trainer: megatron-core       # this variant's trainer (default: the case's `trainer:`, itself default
+                                     # reference); harness.trainers says what megatron-core can run
 
 Every layout is parsed and validated and every schedule is dry-run (`reference_impl.schedule.simulate`)
 here, before anything runs or is written.  Sizes are bounded first (`harness.bounds`: the file and its YAML alias
@@ -59,6 +61,7 @@ from reference_impl.schedule import ScheduleError, build_schedule, simulate
 
 from . import bounds
 from . import expectations
+from . import trainers
 from .errors import UsageError
 
 
@@ -123,6 +126,7 @@ class VariantSpec(_Strict):
     compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
     repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
     resume: Optional[ResumeSpec] = None  # start from another run's checkpoint
+    trainer: Optional[Literal["reference", "megatron-core"]] = None    # default: the case's
     # names reach the terminal and the report: an ANSI escape or a newline in one is rejected, not printed
     _names_printable = field_validator("name", "compare_to", "inject")(bounds.printable)
 
@@ -142,6 +146,7 @@ class CaseSpec(_Strict):
     params_dtype: Optional[Literal["float32", "bfloat16"]] = None   # default: float32 on cpu, bfloat16 on cuda
     num_gpus: Optional[int] = Field(None, ge=1, le=MAX_GPUS)         # cuda: GPUs to spread ranks over
     capture: Literal["full", "activations"] = "full"                 # activations: in-step fingerprints too
+    trainer: Literal["reference", "megatron-core"] = "reference"     # harness.trainers; a variant may override
     model: ModelConfig
     training: TrainingConfig = TrainingConfig()
     baseline: VariantSpec
@@ -339,11 +344,16 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     except ValueError as e:
         raise UsageError(f"{where}: expert_model_parallel_size: {e}") from None
     fault = v.inject or (None if is_baseline else inject)
-    try:
-        faults.check(fault)
-    except faults.FaultError as e:
-        raise UsageError(f"{where}: {e}") from None
+    trainer = v.trainer or spec.trainer
+    if trainer == "reference":
+        try:
+            faults.check(fault)
+        except faults.FaultError as e:
+            raise UsageError(f"{where}: {e}") from None
     config = RunConfig(model=spec.model, training=training, inject=fault, device=spec.device,
                        params_dtype=spec.params_dtype or ("bfloat16" if spec.device == "cuda" else "float32"),
-                       num_gpus=spec.num_gpus, capture=spec.capture, parallel=parallel)
+                       num_gpus=spec.num_gpus, capture=spec.capture, parallel=parallel, trainer=trainer)
+    problem = trainers.problem(config)
+    if problem:
+        raise UsageError(f"{where}: {problem}")
     return PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)

@@ -26,7 +26,7 @@ from dataclasses import asdict
 from reference_impl.config import CheckpointConfig
 from reference_impl.schedule import build_schedule, serialise, timeline
 
-from . import outdir
+from . import outdir, trainers
 from .arithmetic import arithmetic_facts
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
@@ -35,6 +35,7 @@ from .localise import boundary_mismatches, localise
 from .report import write_report
 from .results import CaseResult, StepSeries, VariantResult
 from .runner import RunOutcome, run_ranks
+from .runner import preload as runner_preload
 from .trace import Trace, TraceError, merge
 
 
@@ -88,6 +89,7 @@ def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optio
                        "mtp_standalone": run.layout.mtp_standalone, "grid": run.layout.pretty()},
             "schedule": serialise(lists), "environment": env, "num_threads": t.num_threads,
             "device": run.config.device, "seed": t.seed, "command": command,
+            "trainer": trainers.versions(run.config.trainer),
             "timings": {"elapsed_s": outcome.elapsed_s, "step_time_s": step_times}, "ok": outcome.ok,
             "error": outcome.error}
 
@@ -257,11 +259,13 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             plan_configs[src] = plan_configs[src].model_copy(update={"checkpoint": CheckpointConfig(step=k, dir=ckpt)})
             plan_configs[r.spec.name] = plan_configs[r.spec.name].model_copy(update={"resume_from": ckpt})
     order = sorted(plan.runs, key=lambda r: r.spec.resume is not None)
+    runner_preload(r.config.trainer for r in plan.runs)
     for i, run in enumerate(order, start=1):
         name = run.spec.name
         run = dataclasses.replace(run, config=plan_configs[name])
         ep = run.config.parallel.expert_model_parallel_size
-        progress(f"[{i}/{len(plan.runs)}] {name}: P={run.layout.pipeline_model_parallel_size} "
+        who = "" if run.config.trainer == "reference" else f" [{run.config.trainer}]"
+        progress(f"[{i}/{len(plan.runs)}] {name}{who}: P={run.layout.pipeline_model_parallel_size} "
                  f"V={run.layout.virtual_pipeline_model_parallel_size}{f' EP={ep}' if ep > 1 else ''} "
                  f"{run.layout.text} ...")
         outcome = run_ranks(run.config, work / dirs[name], timeout, launcher)

@@ -1,6 +1,6 @@
-"""Run megatron-core on a CPU-only torch over gloo: seven documented points, applied in the rank process.
+"""Run megatron-core on a CPU-only torch over gloo: eight documented points, applied in the rank process.
 
-megatron-core targets CUDA (+ Transformer Engine); on CPU it fails in seven places, all of them device
+megatron-core targets CUDA (+ Transformer Engine); on CPU it fails in eight places, all of them device
 plumbing, none of them arithmetic.  Each point below names the megatron file and what it hits, and patches
 the smallest thing that makes it run.  Nothing here edits the installed package, and nothing here runs on a
 CUDA device (`apply` is called only for ``device: cpu``): on a GPU megatron runs as shipped.
@@ -102,7 +102,7 @@ _applied = False
 
 
 def apply() -> None:
-    """Apply the seven points (idempotent).  Call in a CPU rank after importing megatron.core, before building
+    """Apply the eight points (idempotent).  Call in a CPU rank after importing megatron.core, before building
     anything.
 
     Raises:
@@ -186,4 +186,16 @@ def apply() -> None:
     _require("te_general_gemm" not in vars(moe_utils) and "te_general_gemm is not None" in _source(moe_utils), "7",
              "moe_utils.te_general_gemm is now defined without TE, or no longer tested against None")
     moe_utils.te_general_gemm = None
+
+    # 8. clip_grads.clip_grad_by_total_norm_fp32 asserts every gradient is a 'torch.cuda.FloatTensor': the same
+    #    function, recompiled from megatron's own source with the CPU type name (nothing else changes), replaces
+    #    it where the optimizer looks it up.
+    clip = clip_grads.clip_grad_by_total_norm_fp32
+    source = _source(clip)
+    _require(source.count("'torch.cuda.FloatTensor'") == 1 and getattr(optimizer, clip.__name__, None) is clip, "8",
+             "clip_grad_by_total_norm_fp32 no longer asserts 'torch.cuda.FloatTensor' (or is not used by optimizer.py)")
+    namespace: dict = {}
+    exec(compile(source.replace("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"), inspect.getsourcefile(clip),
+                 "exec"), vars(clip_grads), namespace)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = namespace[clip.__name__]
     _applied = True

@@ -5,12 +5,21 @@ computes, so the tests can prove that a check fails when the trainer is broken.
   stage and the MTP stage (``_allreduce_word_embedding_grads``): the MTP stage's embedding replica keeps its own
   gradient and then drifts from the first stage's embedding.  Only layouts with a separate MTP stage hold a
   replica, so only they are affected.
+* ``default_embedding_group``: megatron-core's default embedding group (first and last pipeline rank) instead
+  of Megatron-LM's (first rank and the MTP ranks, `model.embedding_ranks`): the mistake a megatron-core user
+  makes who builds the parallel state without ``get_embedding_ranks``.  Affects layouts whose MTP stage is not
+  on the last pipeline rank.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-NAMES = ("skip_mtp_embedding_sync",)
+NAMES = ("skip_mtp_embedding_sync", "default_embedding_group")
+
+
+def embedding_ranks(inject: Optional[str], ranks: Callable) -> Optional[Callable]:
+    """The ``get_embedding_ranks`` handed to megatron's ``initialize_model_parallel`` (None: its default)."""
+    return None if inject == "default_embedding_group" else ranks
 
 
 def finalize(inject: Optional[str], finalize_model_grads: Callable) -> Callable:

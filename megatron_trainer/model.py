@@ -81,6 +81,19 @@ def _virtual_size(cfg: RunConfig):
     return v if v > 1 else None
 
 
+def embedding_ranks(config):
+    """Megatron-LM's ``pretrain_gpt.get_embedding_ranks`` for an untied head: the word embedding lives on the
+    first stage and on every rank holding MTP layers, and their gradients are all-reduced in that group
+    (``finalize_model_grads._allreduce_word_embedding_grads``).  megatron-core's own default
+    (``parallel_state.default_embedding_ranks``: first and last rank) leaves a standalone MTP stage out of
+    the group, so its embedding replica would never be synchronised."""
+    from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
+
+    def ranks(pp_ranks: list) -> list:
+        return sorted({pp_ranks[0], *(get_mtp_ranks(pp_ranks, config) if len(pp_ranks) > 1 else [])})
+    return ranks
+
+
 def build_chunks(cfg: RunConfig, config) -> list:
     """GPTModel chunks of this pipeline rank, one per virtual stage in virtual-stage order (fp32 or bf16 on
     the current device; parameters not yet re-initialised)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from reference_impl.config import RunConfig
 from reference_impl.data import TokenDataset
@@ -30,7 +31,7 @@ from trainerkit.capture import FORMAT, TraceWriter, scalar
 from trainerkit.fingerprint import fingerprint_hex_many
 
 from . import faults
-from .model import build_chunks, expert_biases, global_parameters, transformer_config
+from .model import build_chunks, embedding_ranks, expert_biases, global_parameters, transformer_config
 
 
 class LossRecorder:
@@ -104,7 +105,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
     t, m = cfg.training, cfg.model
     config = transformer_config(cfg)
     ps.initialize_model_parallel(1, cfg.parallel.pipeline_model_parallel_size,
-                                 virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size)
+                                 virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+                                 get_embedding_ranks=faults.embedding_ranks(cfg.inject, embedding_ranks(config)))
     chunks = [c.to(device) for c in build_chunks(cfg, config)]
     params = global_parameters(chunks, m.num_moe_experts, 0)
     with torch.no_grad():
@@ -155,6 +157,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
                          num_microbatches=t.num_microbatches, seq_length=t.seq_length,
                          micro_batch_size=t.micro_batch_size, forward_only=False)
         grads = _fingerprints(cfg, [gp.param.main_grad for gp in params], keys)
+        dumping = cfg.dump is not None and cfg.dump.step == step
+        dump = _dump(cfg, keys, [gp.param.main_grad for gp in params], "grad") if dumping else {}
         ok, norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (inf/nan in the gradients)")
@@ -165,7 +169,11 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
             coeff = t.clip_grad / (norm + 1.0e-6)
             record.update(grad_norm=scalar(torch.tensor(norm, dtype=torch.float64)),
                           clip_coeff=scalar(torch.tensor(coeff, dtype=torch.float64)), clipped=coeff < 1.0)
-        record["params"] = _fingerprints(cfg, [masters.get(id(gp.param), gp.param) for gp in params], keys)
+        values = [masters.get(id(gp.param), gp.param) for gp in params]
+        record["params"] = _fingerprints(cfg, values, keys)
+        if dumping:
+            dump.update(_dump(cfg, keys, values, "param"))
+            save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         record["buffers"] = dict(zip(buffers, fingerprint_hex_many(list(buffers.values())))) if buffers else {}
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             record["losses"], record["lm_loss"] = recorder.take(m.mtp_num_layers)
@@ -179,6 +187,18 @@ def _fingerprints(cfg: RunConfig, tensors: list, keys: list) -> dict:
     if cfg.capture == "losses":
         return {}
     return dict(zip(keys, fingerprint_hex_many(tensors)))
+
+
+def _dump(cfg: RunConfig, keys: list, tensors: list, prefix: str) -> dict:
+    """{prefix/key: CPU copy} of the dump keys this rank holds (`RunConfig.dump`), within max_bytes (the same
+    file layout as the reference trainer's, for `harness.evidence`)."""
+    wanted, out, used = set(cfg.dump.keys), {}, 0
+    for key, t in zip(keys, tensors):
+        size = t.numel() * t.element_size()
+        if key in wanted and used + size <= cfg.dump.max_bytes:
+            out[f"{prefix}/{key}"] = t.detach().float().cpu().clone().contiguous()
+            used += size
+    return out
 
 
 def _master_params(optimizer) -> dict:

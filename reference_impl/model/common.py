@@ -35,7 +35,8 @@ def rope_cos_sin(seq_len: int, dim: int, base: float) -> tuple[torch.Tensor, tor
     ``rope_utils._apply_rotary_pos_emb_bshd`` takes cos/sin of them in fp32 before casting to the activation
     dtype.  Megatron's table is ``cat(freqs, freqs)`` [s, 1, 1, dim]; its two halves are the same numbers,
     so half of it is kept here (`apply_rope` uses it on both halves).  The tables are always computed on the
-    CPU, so every device and layout gets the same bits (Megatron evaluates cos/sin on the GPU instead).
+    CPU, so every device and layout gets the same bits; equal to megatron's on the CPU (tests/
+    test_mla_convention.py), while megatron on a GPU gets CUDA's pow/cos/sin, which differ in last bits.
 
     The same unshifted table serves the decoder and the MTP layers (megatron-semantics §2.3 step 3).
     """
@@ -48,9 +49,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Megatron's MLA RoPE on the last dim of x [s, b, n, d] with tables [s, 1, 1, d/2] in x's dtype.
 
     ``rope_utils._apply_rotary_pos_emb_bshd`` with ``multi_latent_attention=True, rotary_interleaved=False,
-    mscale=1``: first de-interleave ``[x0, x1, x2, ...] -> [x0, x2, ... | x1, x3, ...]`` (DeepSeek-V3's
-    checkpoints store the rope dims as interleaved pairs), then rotate-half: ``x * cos + [-x2 | x1] * sin``.
-    The output stays de-interleaved, as in megatron: q and k get the same permutation, so q.k is unchanged.
+    mscale=1``: first de-interleave ``[x0, x1, x2, ...] -> [x0, x2, ... | x1, x3, ...]`` (so the rotated pairs
+    are adjacent dims (x_2i, x_2i+1), as in DeepSeek-V3's own complex-number RoPE), then rotate-half:
+    ``x * cos + [-x2 | x1] * sin``.  The output stays de-interleaved, as in megatron: q and k get the same
+    permutation, so q.k is unchanged.
     Bitwise equal to megatron's ``t * cos + _rotate_half(t) * sin`` (``a - b == a + (-b)`` in IEEE).
     """
     x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

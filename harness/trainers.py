@@ -1,0 +1,93 @@
+"""The trainers the harness launches, and what each can run: one line saying why not, before anything runs.
+
+The harness reaches a trainer only through its worker module (`runner.WORKERS`) and the trace it writes
+(TRACE_FORMAT.md).  ``reference`` is ours (reference_impl); ``megatron-core`` runs megatron-core's own GPTModel,
+schedules, DDP and optimizer (megatron_trainer; the optional extra ``bitparity[megatron]``).  For the latter
+the run config is also handed to megatron's own ``TransformerConfig`` here, in the harness, so megatron's
+validator (layout, MoE, MTP, overlap rules) speaks at planning time, not in every rank.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+from typing import Optional
+
+from reference_impl.config import RunConfig
+
+TRAINERS = ("reference", "megatron-core")
+
+
+def megatron_version() -> Optional[str]:
+    """The installed megatron-core's version (distribution metadata: no import), or None."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions(trainer: str) -> dict:
+    """What a manifest records about the trainer: its name and, for megatron-core, the library's version and
+    the CPU compatibility layer's (``off`` on CUDA, where megatron runs as shipped)."""
+    if trainer != "megatron-core":
+        return {"trainer": trainer}
+    from megatron_trainer import compat
+    return {"trainer": trainer, "megatron_core": megatron_version(), "megatron_cpu_compat": compat.VERSION,
+            "megatron_cpu_compat_supports": list(compat.SUPPORTED)}
+
+
+def problem(config: RunConfig, inject_known: bool = True) -> Optional[str]:
+    """Why `config` cannot run on its trainer, in one line (None when it can).
+
+    megatron-core: the extra must be installed (and, on CPU, be a version the compat layer was checked
+    against); reductions ``megatron`` only (``canonical`` is the reference's layout-invariant mode); EP = 1 (in
+    megatron the EP ranks are carved out of data parallelism, so EP > 1 changes the global batch; bitparity's
+    megatron trainer runs TP = CP = DP = 1); no activation capture, checkpoints or resume (the
+    reference's probes); planted faults from `megatron_trainer.faults` only; on CUDA one GPU per rank (ranks
+    cannot share a GPU over NCCL); then megatron's own config validator.
+    """
+    if config.trainer == "reference":
+        return None
+    version = megatron_version()
+    if version is None:
+        return ("trainer megatron-core: megatron-core is not installed; install the extra with "
+                "`pip install -e '.[megatron]'` (or run `make verify-megatron`)")
+    from megatron_trainer import compat, faults
+
+    if config.device == "cpu" and not version.startswith(compat.SUPPORTED):
+        return (f"trainer megatron-core: megatron-core {version} is not a version the CPU compatibility layer "
+                f"was checked against ({', '.join(compat.SUPPORTED)}x); run on CUDA or update "
+                "megatron_trainer/compat.py")
+    t, par = config.training, config.parallel
+    if t.reductions != "megatron":
+        return "trainer megatron-core: reductions: canonical is the reference trainer's mode; megatron-core runs its own"
+    if par.expert_model_parallel_size > 1:
+        return ("trainer megatron-core: expert_model_parallel_size > 1 is not run: megatron carves EP out of data "
+                "parallelism (EP ranks see different microbatches), and bitparity's megatron trainer runs DP = 1")
+    if config.capture == "activations":
+        return "trainer megatron-core: capture: activations needs the reference trainer's probes"
+    for key in ("checkpoint", "resume_from"):
+        if getattr(config, key) is not None:
+            return f"trainer megatron-core: {key} is a reference-trainer feature"
+    if config.inject is not None and config.inject not in faults.NAMES:
+        return (f"trainer megatron-core: unknown fault {config.inject!r} (the megatron trainer knows: "
+                f"{', '.join(faults.NAMES)})")
+    if config.device == "cuda":
+        import torch
+        if par.world_size > torch.cuda.device_count():
+            return (f"trainer megatron-core: {par.world_size} ranks but {torch.cuda.device_count()} GPU(s): ranks "
+                    "cannot share a GPU over NCCL")
+    return megatron_config_problem(config)
+
+
+def megatron_config_problem(config: RunConfig) -> Optional[str]:
+    """megatron's own ``MLATransformerConfig`` validation of `config`'s model and layout, as one line."""
+    from megatron_trainer.model import transformer_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            transformer_config(config)
+        except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
+            text = " ".join(str(e).split()) or type(e).__name__
+            return f"megatron-core rejects this run: {text}"
+    return None
