@@ -17,20 +17,24 @@ PORTABILITY_TESTS    ?= tests/test_reductions.py tests/test_expert_parallel.py t
                         tests/test_overlap.py tests/test_faults.py tests/test_evidence.py tests/test_model.py
 PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml
 
-.PHONY: verify test test-portability bench bench-gpu fuzz venv clean
+.PHONY: verify verify-megatron test test-portability bench bench-gpu fuzz venv clean
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,megatron]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 verify: $(STAMP)
 	$(BIN)/bitparity verify $(LAYOUTS) $(ARGS)
+
+# PR #2136's validation on the real megatron-core (trainer: megatron-core; the `megatron` extra), on CPU/gloo
+verify-megatron: $(STAMP)
+	$(BIN)/bitparity verify cases/megatron-dsv3.yaml $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--only", action="append", metavar="VARIANT", help="run only this variant (repeatable)")
     v.add_argument("--timeout", type=float, help="per-run watchdog in seconds (default: the case's timeout_s)")
     v.add_argument("--device", choices=("cpu", "cuda"), help="override the case's device")
+    v.add_argument("--params-dtype", choices=("float32", "bfloat16"), help="override the case's params_dtype "
+                   "(bfloat16: fp32 main_grad and fp32 optimizer master weights, Megatron's bf16 training)")
     v.add_argument("--num-gpus", type=int, help="cuda: spread ranks over this many GPUs (fewer than ranks: "
                                                    "ranks share GPUs, staged through host memory)")
     v.add_argument("--evidence", action="store_true",
@@ -115,7 +117,7 @@ def _verify(args, argv) -> int:
     from .verify import verify
     from reference_impl.config import MAX_TIMEOUT_S
     plan = load_case(args.case, only=args.only, inject=args.inject,
-                     overrides={"device": args.device, "num_gpus": args.num_gpus})
+                     overrides={"device": args.device, "num_gpus": args.num_gpus, "params_dtype": args.params_dtype})
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
     with _out_errors(args.out):

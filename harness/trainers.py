@@ -58,6 +58,9 @@ def problem(config: RunConfig, inject_known: bool = True) -> Optional[str]:
                 f"was checked against ({', '.join(compat.SUPPORTED)}x); run on CUDA or update "
                 "megatron_trainer/compat.py")
     t, par = config.training, config.parallel
+    if config.device == "cpu" and config.params_dtype != "float32":
+        return ("trainer megatron-core: params_dtype bfloat16 on CPU is not run (megatron's bf16 optimizer checks "
+                "for CUDA tensor types); use float32 on CPU, bfloat16 on CUDA")
     if t.reductions != "megatron":
         return "trainer megatron-core: reductions: canonical is the reference trainer's mode; megatron-core runs its own"
     if par.expert_model_parallel_size > 1:

@@ -107,6 +107,11 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
     ps.initialize_model_parallel(1, cfg.parallel.pipeline_model_parallel_size,
                                  virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
                                  get_embedding_ranks=faults.embedding_ranks(cfg.inject, embedding_ranks(config)))
+    if device.type == "cuda":
+        # megatron's CUDA RNG tracker must know its states before any forward forks them (dropout is 0, so no
+        # bit depends on them); on CPU the compat layer makes the tracker inert
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(t.seed)
     chunks = [c.to(device) for c in build_chunks(cfg, config)]
     params = global_parameters(chunks, m.num_moe_experts, 0)
     with torch.no_grad():

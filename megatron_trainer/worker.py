@@ -52,6 +52,8 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     if world_size != cfg.parallel.world_size:
         raise RuntimeError(f"world size {world_size} but the run needs P = {cfg.parallel.world_size} ranks")
     if cfg.device == "cuda":
+        # deterministic cuBLAS (use_deterministic_algorithms demands it), before CUDA initialises
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
