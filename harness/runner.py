@@ -28,10 +28,16 @@ WORKERS = {"reference": "reference_impl.worker", "megatron-core": "megatron_trai
 _CTX.set_forkserver_preload([WORKERS["reference"]])
 
 
-def preload(trainers) -> None:
-    """Have the forkserver import these trainers' workers before it forks ranks (call before the first run:
-    a forkserver already running keeps its preload, and its ranks then import the trainer themselves)."""
-    _CTX.set_forkserver_preload([WORKERS[t] for t in ("reference", *sorted(set(trainers) - {"reference"}))])
+def preload(configs) -> None:
+    """Have the forkserver import the workers of these runs' trainers before it forks ranks (call before the
+    first run: a forkserver already running keeps its preload, and its ranks then import the trainer
+    themselves).  Not megatron-core when any run is on CUDA: importing megatron initialises CUDA, which a
+    forked rank then cannot use."""
+    configs = list(configs)
+    extra = {c.trainer for c in configs} - {"reference"}
+    if any(c.device == "cuda" for c in configs):
+        extra.discard("megatron-core")
+    _CTX.set_forkserver_preload([WORKERS[t] for t in ("reference", *sorted(extra))])
 
 
 @dataclass

@@ -25,14 +25,16 @@ def megatron_version() -> Optional[str]:
         return None
 
 
-def versions(trainer: str) -> dict:
-    """What a manifest records about the trainer: its name and, for megatron-core, the library's version and
-    the CPU compatibility layer's (``off`` on CUDA, where megatron runs as shipped)."""
-    if trainer != "megatron-core":
-        return {"trainer": trainer}
+def versions(config: RunConfig) -> dict:
+    """What a manifest records about the run's trainer: its name and, for megatron-core, the library's version,
+    the compatibility layer's version and the points it patches on this run's device (`megatron_trainer.compat`;
+    evaluated here, where the rank's environment is the same)."""
+    if config.trainer != "megatron-core":
+        return {"trainer": config.trainer}
     from megatron_trainer import compat
-    return {"trainer": trainer, "megatron_core": megatron_version(), "megatron_cpu_compat": compat.VERSION,
-            "megatron_cpu_compat_supports": list(compat.SUPPORTED)}
+    return {"trainer": config.trainer, "megatron_core": megatron_version(), "megatron_compat": compat.VERSION,
+            "megatron_compat_points": list(compat.points(config.device)),
+            "megatron_compat_checked_versions": list(compat.SUPPORTED)}
 
 
 def problem(config: RunConfig, inject_known: bool = True) -> Optional[str]:

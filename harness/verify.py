@@ -89,7 +89,7 @@ def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optio
                        "mtp_standalone": run.layout.mtp_standalone, "grid": run.layout.pretty()},
             "schedule": serialise(lists), "environment": env, "num_threads": t.num_threads,
             "device": run.config.device, "seed": t.seed, "command": command,
-            "trainer": trainers.versions(run.config.trainer),
+            "trainer": trainers.versions(run.config),
             "timings": {"elapsed_s": outcome.elapsed_s, "step_time_s": step_times}, "ok": outcome.ok,
             "error": outcome.error}
 
@@ -259,7 +259,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             plan_configs[src] = plan_configs[src].model_copy(update={"checkpoint": CheckpointConfig(step=k, dir=ckpt)})
             plan_configs[r.spec.name] = plan_configs[r.spec.name].model_copy(update={"resume_from": ckpt})
     order = sorted(plan.runs, key=lambda r: r.spec.resume is not None)
-    runner_preload(r.config.trainer for r in plan.runs)
+    runner_preload(r.config for r in plan.runs)
     for i, run in enumerate(order, start=1):
         name = run.spec.name
         run = dataclasses.replace(run, config=plan_configs[name])

@@ -1,9 +1,12 @@
 """Run megatron-core on a CPU-only torch over gloo: eight documented points, applied in the rank process.
 
-megatron-core targets CUDA (+ Transformer Engine); on CPU it fails in eight places, all of them device
+megatron-core targets CUDA + Transformer Engine; on CPU it fails in eight places, all of them device
 plumbing, none of them arithmetic.  Each point below names the megatron file and what it hits, and patches
-the smallest thing that makes it run.  Nothing here edits the installed package, and nothing here runs on a
-CUDA device (`apply` is called only for ``device: cpu``): on a GPU megatron runs as shipped.
+the smallest thing that makes it run.  Nothing here edits the installed package.  Three points are not about
+the CPU but about megatron's local (non-TE) layer specs, which bitparity uses on every device: MLA with the
+local core attention (point 2) fails on a GPU too (measured on an H200 with torch 2.11, no TE), and without TE
+installed points 3 and 7 as well.  So `apply` takes the device: on CUDA only those (`LOCAL_SPEC_POINTS`) are
+applied; the rest of megatron runs as shipped.
 
 Every point checks that the code it works around still looks the way it did in the versions it was written
 for (`SUPPORTED`) and raises `CompatError` naming the point when it does not (a newer megatron-core may have
@@ -22,7 +25,7 @@ import types
 
 import torch
 
-VERSION = "1"                        # of this layer; recorded in every manifest beside megatron-core's version
+VERSION = "2"                        # of this layer; recorded in every manifest beside megatron-core's version
 SUPPORTED = ("0.16.",)               # megatron-core versions the points were checked against
 
 
@@ -98,19 +101,36 @@ class _CpuTorch(types.ModuleType):
         return attr
 
 
-_applied = False
+LOCAL_SPEC_POINTS = ("2", "3", "7")   # needed wherever megatron's local specs run without Transformer Engine
+_applied: tuple = ()
 
 
-def apply() -> None:
-    """Apply the eight points (idempotent).  Call in a CPU rank after importing megatron.core, before building
-    anything.
+def _have_te() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def points(device_type: str) -> tuple:
+    """The points `apply` patches for a rank on `device_type` ("cpu" or "cuda"): all eight on CPU; on CUDA
+    point 2, and 3 and 7 when Transformer Engine is not installed (recorded in the manifest)."""
+    if device_type == "cpu":
+        return ("1", "2", "3", "4", "5", "6", "7", "8")
+    return ("2",) if _have_te() else LOCAL_SPEC_POINTS
+
+
+def apply(device_type: str = "cpu") -> tuple:
+    """Apply `points(device_type)` (idempotent) and return them.  Call in the rank after importing megatron.core,
+    before building anything.
 
     Raises:
         CompatError: megatron-core's version is not in `SUPPORTED`, or a point no longer matches its code.
     """
     global _applied
+    wanted = points(device_type)
     if _applied:
-        return
+        return _applied
+    _applied = wanted
+    cpu = device_type == "cpu"
     import megatron.core
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import dot_product_attention as dpa
@@ -123,7 +143,7 @@ def apply() -> None:
     from megatron.core.transformer import utils as tutils
 
     version = megatron.core.__version__
-    if not version.startswith(SUPPORTED):
+    if cpu and not version.startswith(SUPPORTED):
         raise CompatError(f"megatron-core {version} is not one the CPU compat layer was checked against "
                           f"({', '.join(SUPPORTED)}x); update megatron_trainer/compat.py (or run on CUDA)")
 
@@ -131,11 +151,12 @@ def apply() -> None:
     #    param_and_grad_buffer, p2p shape exchange): on CPU it names the CPU.  The CUDA RNG tracker
     #    (tensor_parallel/random.py) forks CUDA generator states around dropout: with dropout 0 there is no
     #    state to fork, so `fork` is a plain context and `add` only records the seed.
-    _require(hasattr(mrandom.CudaRNGStatesTracker, "fork") and hasattr(mrandom.CudaRNGStatesTracker, "add"),
-             "1", "tensor_parallel.random.CudaRNGStatesTracker has no fork/add")
-    torch.cuda.current_device = lambda: _CPU
-    mrandom.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
-    mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: self.seeds_.add(seed)
+    if cpu:
+        _require(hasattr(mrandom.CudaRNGStatesTracker, "fork") and hasattr(mrandom.CudaRNGStatesTracker, "add"),
+                 "1", "tensor_parallel.random.CudaRNGStatesTracker has no fork/add")
+        torch.cuda.current_device = lambda: _CPU
+        mrandom.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+        mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: self.seeds_.add(seed)
 
     # 2. DotProductAttention (the non-TE core attention) does not accept the k_channels / v_channels that MLA
     #    passes (multi_latent_attention.py, MLASelfAttention.__init__), and sizes its output by kv_channels:
@@ -155,8 +176,13 @@ def apply() -> None:
 
     # 3. multi_latent_attention.HAVE_TE is true without Transformer Engine (its try-import of megatron's TE
     #    extension module succeeds even when TE is absent), which sends MLA down TE-only paths.
-    _require(hasattr(mla, "HAVE_TE"), "3", "multi_latent_attention.HAVE_TE is gone")
-    mla.HAVE_TE = False
+    if "3" in wanted:
+        _require(hasattr(mla, "HAVE_TE"), "3", "multi_latent_attention.HAVE_TE is gone")
+        mla.HAVE_TE = False
+    if not cpu:
+        if "7" in wanted:
+            _patch_te_general_gemm(moe_utils)
+        return _applied
 
     # 4. CUDA streams, events and synchronize: MoE alltoall dispatcher (moe/token_dispatcher.py: a side stream
     #    for device-to-host copies), p2p shape exchange (pipeline_parallel/p2p_communication.py), DDP's
@@ -183,9 +209,7 @@ def apply() -> None:
 
     # 7. moe_utils.te_general_gemm is referenced (router gemm, moe_utils.py RouterGatingLinearFunction) but only
     #    defined when the TE import succeeds: without TE the name is missing (NameError), not None.
-    _require("te_general_gemm" not in vars(moe_utils) and "te_general_gemm is not None" in _source(moe_utils), "7",
-             "moe_utils.te_general_gemm is now defined without TE, or no longer tested against None")
-    moe_utils.te_general_gemm = None
+    _patch_te_general_gemm(moe_utils)
 
     # 8. clip_grads.clip_grad_by_total_norm_fp32 asserts every gradient is a 'torch.cuda.FloatTensor': the same
     #    function, recompiled from megatron's own source with the CPU type name (nothing else changes), replaces
@@ -198,4 +222,10 @@ def apply() -> None:
     exec(compile(source.replace("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"), inspect.getsourcefile(clip),
                  "exec"), vars(clip_grads), namespace)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = namespace[clip.__name__]
-    _applied = True
+    return _applied
+
+
+def _patch_te_general_gemm(moe_utils) -> None:
+    _require("te_general_gemm" not in vars(moe_utils) and "te_general_gemm is not None" in _source(moe_utils), "7",
+             "moe_utils.te_general_gemm is now defined without TE, or no longer tested against None")
+    moe_utils.te_general_gemm = None

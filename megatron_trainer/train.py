@@ -135,7 +135,9 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
     virtual = len(chunks)
 
     keys = [names.replica_key(gp.name, gp.replica) for gp in params]
-    decay = _weight_decay_groups(optimizer)
+    masters = _master_params(optimizer)
+    decay = _weight_decay_groups(optimizer)          # keyed by what the optimizer updates: the master in bf16
+    decay = {id(gp.param): decay[id(masters.get(id(gp.param), gp.param))] for gp in params}
     header = {"type": "header", "format": FORMAT, "rank": rank, "world_size": dist.get_world_size(),
               "pp_rank": rank, "ep_rank": 0, "expert_model_parallel_size": 1,
               "stages": [vp * cfg.parallel.pipeline_model_parallel_size + rank for vp in range(virtual)],
@@ -148,7 +150,6 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
               "settings": {"overlap_p2p_comm": config.overlap_p2p_comm, "batch_p2p_comm": config.batch_p2p_comm}}
     writer = TraceWriter(trace_path)
     writer.write(header)
-    masters = _master_params(optimizer)
     writer.write({"type": "init", "params": _fingerprints(cfg, [masters.get(id(gp.param), gp.param) for gp in params], keys)})
     buffers = expert_biases(chunks)
     for step in range(t.train_iters):

@@ -7,7 +7,8 @@ calls `rank_main` (this module, hence megatron-core, is imported there once, bef
 torch.compile off in every rank (``torch._dynamo.config.disable``, what ``TORCH_COMPILE_DISABLE=1`` sets; the
 forkserver has imported torch before this module, so the variable alone would come too late): megatron wraps its
 fused helpers in ``torch.compile``, which costs 7-20 s in a rank's first step and gives the same bits as eager.
-On CPU the compatibility layer (`compat`) is applied in the rank before anything is built.
+The compatibility layer (`compat`: all eight points on CPU, the local-spec points on CUDA) is applied in the
+rank before anything is built.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
-        compat.apply()
         device, backend = torch.device("cpu"), "gloo"
+    points = compat.apply(device.type)
     store = dist.FileStore(store_path, world_size) if store_path else None   # None: env:// (torchrun)
     kwargs = {"store": store} if store is not None else {}
     from datetime import timedelta
@@ -68,7 +69,7 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     try:
         import megatron.core
         print(f"rank {rank}/{world_size} pid {os.getpid()}: torch {torch.__version__}, megatron-core "
-              f"{megatron.core.__version__}, compat layer {compat.VERSION if device.type == 'cpu' else 'off'}, "
+              f"{megatron.core.__version__}, compat layer {compat.VERSION} points {','.join(points)}, "
               f"threads {torch.get_num_threads()}, {backend} on {device}")
         train(cfg, rank, Path(run_dir) / f"rank{rank}.jsonl", device)
         print(f"rank {rank}: done")

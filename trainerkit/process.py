@@ -44,14 +44,18 @@ def die_with_parent(parent: int) -> None:
 
 
 def imported_by_forkserver() -> bool:
-    """True in multiprocessing's forkserver, which imports the worker modules as a preload (`harness.runner`)."""
+    """True in multiprocessing's forkserver itself, which imports the worker modules as a preload
+    (`harness.runner`); False in a rank it forked (whose stack also holds the forkserver's ``main``, below
+    ``_serve_one``), which imports a worker that was not preloaded (a CUDA megatron-core run)."""
     fs = sys.modules.get("multiprocessing.forkserver")
-    frame = sys._getframe()
+    serve = getattr(fs, "_serve_one", None)
+    frame, in_main = sys._getframe(), False
     while fs is not None and frame is not None:
-        if frame.f_code is fs.main.__code__:
-            return True
+        if serve is not None and frame.f_code is serve.__code__:
+            return False
+        in_main = in_main or frame.f_code is fs.main.__code__
         frame = frame.f_back
-    return False
+    return in_main
 
 
 def guard_forkserver() -> None:
