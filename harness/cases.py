@@ -11,6 +11,9 @@ starts from another case and deep-merges this file's mappings over it)::
     model: {ModelConfig fields}      # reference_impl.config
     training: {TrainingConfig fields}
     baseline: {name, pipeline_model_parallel_layout, pipeline_model_parallel_size, options}
+    trainer: reference               # or megatron-core (harness.trainers); a variant may set its own
+    cross_implementation: {variant: pp1, step: 0, max_ulp: 16}   # optional: that run again by the other
+                                     # trainer, from the same weights and data, compared in ULPs (harness.crossimpl)
     variants:
       - name: ...
         pipeline_model_parallel_layout: "Et*3|(tt|)*29,m|L"
@@ -62,6 +65,7 @@ from reference_impl.schedule import ScheduleError, build_schedule, simulate
 from . import bounds
 from . import expectations
 from . import trainers
+from .crossimpl import CrossImplementationSpec, other_trainer
 from .errors import UsageError
 
 
@@ -151,6 +155,8 @@ class CaseSpec(_Strict):
     training: TrainingConfig = TrainingConfig()
     baseline: VariantSpec
     variants: list[VariantSpec] = Field(default_factory=list)
+    # one run repeated by the other trainer from identical weights and data, measured in ULPs (harness.crossimpl)
+    cross_implementation: Optional[CrossImplementationSpec] = None
 
 
 @dataclass
@@ -255,7 +261,28 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
         only = keep
     runs = [_plan(path, spec, spec.baseline, True, inject)]
     runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]
+    _check_cross_implementation(path, spec, runs, names)
     return CasePlan(name=case_name, path=path, spec=spec, runs=runs)
+
+
+def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: list) -> None:
+    """The cross-implementation run names a planned variant, a step it runs, and the other trainer can run it."""
+    x = spec.cross_implementation
+    if x is None:
+        return
+    where = f"{path}: cross_implementation"
+    name = x.variant or spec.baseline.name
+    if name not in names:
+        raise UsageError(f"{where}: variant {name!r} is not a variant")
+    run = next((r for r in runs if r.spec.name == name), None)
+    if run is None:             # left out by --only: the cross-implementation run is skipped with it
+        return
+    if x.step >= run.config.training.train_iters:
+        raise UsageError(f"{where}: step {x.step} >= train_iters {run.config.training.train_iters} of {name!r}")
+    other = run.config.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
+    problem = trainers.problem(other)
+    if problem:
+        raise UsageError(f"{where}: variant {name!r} cannot run on the other trainer: {problem}")
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

@@ -231,6 +231,7 @@ def summary_dict(result: CaseResult) -> dict:
                                                    "ulp": int|None},
                        "reason": str, "elapsed_s": float,
                        "compare_to": str, "reductions": "megatron"|"canonical",
+                       "trainer": "reference"|"megatron-core",
                        "clip_grad": float, "bubble_fraction": float|None,
                        "inventory": [str],
                        "replica_status": {} | {"consistent": bool, "first_broken_step": int|None,
@@ -245,6 +246,10 @@ def summary_dict(result: CaseResult) -> dict:
                                          "max_abs_err": float, "max_rel_err": float,
                                          "nan_mismatch": int}],
                        "evidence_error": str}],
+         "cross_implementation": None | {"verdict": "pass"|"fail"|"error", "reason": str,
+                                         "trainers": [str, str], "variant": str|None, "step": int,
+                                         "max_ulp": int, "headline": {...}, "losses": [...],
+                                         "tensors": [...], ...}  (harness.crossimpl),
          "environment": {...}}
 
     Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the
@@ -285,6 +290,7 @@ def summary_dict(result: CaseResult) -> dict:
             "elapsed_s": _finite_or_none(v.elapsed_s) or 0.0,
             "compare_to": reference_of(v, result.baseline),
             "reductions": str(v.reductions),
+            "trainer": str(v.trainer),
             "clip_grad": _finite_or_none(v.clip_grad) or 0.0,
             "bubble_fraction": _finite_or_none(v.bubble_fraction),
             "inventory": inventory_lines(v),
@@ -298,6 +304,7 @@ def summary_dict(result: CaseResult) -> dict:
         "baseline": str(result.baseline),
         "elapsed_s": _finite_or_none(result.elapsed_s) or 0.0,
         "variants": variants,
+        "cross_implementation": _json_safe(dict(result.cross_implementation)) if result.cross_implementation else None,
         "environment": _json_safe(dict(result.environment or {})),
     }
 
@@ -413,8 +420,24 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
                      f"{_md_cell(v.reductions)} | {_md_cell(clip_words(v.clip_grad))} | "
                      f"{_md_cell(v.expect)} | {_VERDICT_MD.get(v.verdict, _md_cell(v.verdict))}"
                      f"{' ' + _md_cell(v.outcome) if v.outcome else ''} | {fd} |")
+    lines += cross_implementation_markdown(result.cross_implementation)
     lines += ["", f"[Full report]({report_link.replace(' ', '%20').replace(')', '%29')})", ""]
     return "\n".join(lines)
+
+
+def cross_implementation_markdown(rec: Optional[dict]) -> list[str]:
+    """Lines of the cross-implementation section of summary.md ([] without one): verdict, reason, headline."""
+    if not rec:
+        return []
+    a, b = rec.get("trainers", ["?", "?"])
+    lines = ["", f"**Cross-implementation** ({_md_cell(a)} vs {_md_cell(b)}, step {rec.get('step')}): "
+             f"{_VERDICT_MD.get(rec['verdict'], _md_cell(rec['verdict']))} {_md_cell(rec.get('reason', ''))}"]
+    h = rec.get("headline")
+    if h:
+        lines.append(f"losses ≤ {h['loss_max_ulp']} ULP · gradients ≤ {h['grad_max_scaled_ulp']:.3g} ULP at tensor "
+                     f"scale (median {h['grad_median_scaled_ulp']:.3g}) over {h['tensors']} tensors, "
+                     f"{h['grads_bitwise_equal']} bitwise equal · bound {rec.get('max_ulp')}")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1228,8 +1251,18 @@ def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -
         hex_table=_hex_table(result),
         mismatch_variants=[d for d in variants if d["family_tables"] and not d["ref_is_self"]],
         grad_norm=_grad_norm_section(result),
+        cross=_cross_section(result.cross_implementation),
         environment=sorted((result.environment or {}).items(), key=lambda kv: str(kv[0])),
     )
+
+
+def _cross_section(rec: Optional[dict]) -> Optional[dict]:
+    """The cross-implementation section of index.html: the record, its loss rows, and its tensor rows sorted
+    by gradient ULP at tensor scale, worst first."""
+    if not rec:
+        return None
+    rows = sorted(rec.get("tensors", []), key=lambda r: -(r["grad"]["scaled_ulp"] if r.get("grad") else -1))
+    return {"rec": rec, "rows": rows, "losses": rec.get("losses", [])}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class VariantResult:
     command: str = ""                             # command that reproduces this variant alone
     compare_to: str = ""                          # the reference run it is compared with
     reductions: str = "megatron"                  # reduction mode (reference_impl/reductions.py)
+    trainer: str = "reference"                    # which trainer ran it (harness.trainers)
     clip_grad: float = 0.0
     # schedule timeline with unit costs (forward 1, backward 2): one dict per compute action
     # {rank, start, end, op: "F"|"B", stage, microbatch}; and the idle fraction of rank-time
@@ -123,8 +124,11 @@ class CaseResult:
     elapsed_s: float
     environment: dict                             # torch version, threads, python, platform, device
     command: str                                  # command line that reproduces the whole report
+    cross_implementation: Optional[dict] = None   # harness.crossimpl's record, when the case asks for one
 
     @property
     def all_pass(self) -> bool:
-        """True when every variant's verdict is pass (the CLI's exit code 0)."""
-        return all(v.verdict == "pass" for v in self.variants)
+        """True when every variant's verdict is pass and the cross-implementation check (if any) passed (the
+        CLI's exit code 0)."""
+        return all(v.verdict == "pass" for v in self.variants) and \
+            (self.cross_implementation is None or self.cross_implementation.get("verdict") == "pass")

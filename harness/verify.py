@@ -26,7 +26,7 @@ from dataclasses import asdict
 from reference_impl.config import CheckpointConfig
 from reference_impl.schedule import build_schedule, serialise, timeline
 
-from . import outdir, trainers
+from . import crossimpl, outdir, trainers
 from .arithmetic import arithmetic_facts
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
@@ -323,7 +323,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             family_mismatches=cmp.family_mismatches if cmp else {}, elapsed_s=outcome.elapsed_s,
             run_dir=str(dirs[name]), compare_to=ref_name,
             command=reproduce[name],
-            reductions=t.reductions, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
+            reductions=t.reductions, trainer=run.config.trainer, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
             bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas,
             run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error,
             localisation=where or {}))
@@ -334,8 +334,15 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     env["launcher"] = launcher
     env["params_dtype"] = plan.runs[0].config.params_dtype
     env.update(_transport_facts(work / dirs[base_name]))
+    cross = None
+    spec = plan.spec.cross_implementation
+    chosen = next((r for r in plan.runs if spec and r.spec.name == (spec.variant or base_name)), None)
+    if chosen is not None:
+        cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", timeout, launcher, progress)
+        (work / "cross-implementation" / "cross_implementation.json").write_text(json.dumps(cross, indent=1))
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
-                        elapsed_s=time.monotonic() - start, environment=env, command=command)
+                        elapsed_s=time.monotonic() - start, environment=env, command=command,
+                        cross_implementation=cross)
     write_report(result, work)
     outdir.publish(work, final)
     return result

@@ -9,12 +9,20 @@ computes, so the tests can prove that a check fails when the trainer is broken.
   of Megatron-LM's (first rank and the MTP ranks, `model.embedding_ranks`): the mistake a megatron-core user
   makes who builds the parallel state without ``get_embedding_ranks``.  Affects layouts whose MTP stage is not
   on the last pipeline rank.
+* ``mtp_loss_scale_doubled``: the MTP loss enters the objective with twice ``mtp_loss_scaling_factor`` (a wrong
+  scale applied the same way on every layout: every layout comparison passes; only an independent
+  implementation, `harness.crossimpl`, sees the gradients move).
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-NAMES = ("skip_mtp_embedding_sync", "default_embedding_group")
+NAMES = ("skip_mtp_embedding_sync", "default_embedding_group", "mtp_loss_scale_doubled")
+
+
+def mtp_loss_scaling_factor(inject: Optional[str], factor: Optional[float]) -> Optional[float]:
+    """The MTP loss scale handed to megatron's config (None without MTP)."""
+    return 2 * factor if inject == "mtp_loss_scale_doubled" and factor is not None else factor
 
 
 def embedding_ranks(inject: Optional[str], ranks: Callable) -> Optional[Callable]:

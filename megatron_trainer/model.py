@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from reference_impl.config import RunConfig
 from trainerkit import names
 
+from . import faults
+
 
 def transformer_config(cfg: RunConfig):
     """megatron's MLATransformerConfig for `cfg` (Megatron names map one to one; the rest pinned here).
@@ -56,7 +58,8 @@ def transformer_config(cfg: RunConfig):
         moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_router_load_balancing_type="seq_aux_loss",
         moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
         mtp_num_layers=m.mtp_num_layers or None,
-        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor if m.mtp_num_layers else None,
+        mtp_loss_scaling_factor=faults.mtp_loss_scaling_factor(cfg.inject, m.mtp_loss_scaling_factor)
+        if m.mtp_num_layers else None,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual, expert_model_parallel_size=1,
         pipeline_model_parallel_layout=par.pipeline_model_parallel_layout,

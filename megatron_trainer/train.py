@@ -100,6 +100,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     t, m = cfg.training, cfg.model
@@ -126,6 +127,13 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
                         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
                         clip_grad=t.clip_grad, bf16=cfg.params_dtype == "bfloat16",
                         params_dtype=config.params_dtype, use_distributed_optimizer=False), model)
+    # Megatron-LM's training loop steps an OptimizerParamScheduler after every update; it is also what turns the
+    # parameter groups' wd_mult (0 for norms and biases: optimizer.get_standard_config_overrides) into the
+    # groups' weight_decay.  Without it torch's AdamW would decay every parameter at config.weight_decay.
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=t.lr, max_lr=t.lr, min_lr=t.lr, lr_warmup_steps=0, lr_decay_steps=t.train_iters,
+        lr_decay_style="constant", start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.train_iters,
+        wd_incr_style="constant")
     config.finalize_model_grads_func = faults.finalize(cfg.inject, finalize_model_grads)
     config.grad_scale_func = optimizer.scale_loss
     recorder = LossRecorder()
@@ -168,6 +176,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
         ok, norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (inf/nan in the gradients)")
+        scheduler.step(increment=1)
         record = {"type": "step", "step": step, "grads": grads, "grad_norm": None, "clip_coeff": None,
                   "clipped": None}
         if t.clip_grad > 0:
@@ -198,10 +207,10 @@ def _fingerprints(cfg: RunConfig, tensors: list, keys: list) -> dict:
 def _dump(cfg: RunConfig, keys: list, tensors: list, prefix: str) -> dict:
     """{prefix/key: CPU copy} of the dump keys this rank holds (`RunConfig.dump`), within max_bytes (the same
     file layout as the reference trainer's, for `harness.evidence`)."""
-    wanted, out, used = set(cfg.dump.keys), {}, 0
+    out, used = {}, 0
     for key, t in zip(keys, tensors):
         size = t.numel() * t.element_size()
-        if key in wanted and used + size <= cfg.dump.max_bytes:
+        if cfg.dump.wants(key) and used + size <= cfg.dump.max_bytes:
             out[f"{prefix}/{key}"] = t.detach().float().cpu().clone().contiguous()
             used += size
     return out
@@ -219,9 +228,6 @@ def _master_params(optimizer) -> dict:
 
 
 def _weight_decay_groups(optimizer) -> dict:
-    """{id(param): whether megatron's optimizer decays it} from its parameter groups."""
-    out = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            out[id(p)] = group.get("wd_mult", 1.0) > 0 and group.get("weight_decay", 0.0) > 0
-    return out
+    """{id(param): whether megatron's optimizer decays it}: the weight decay its parameter group actually applies
+    (set by the OptimizerParamScheduler from the group's wd_mult)."""
+    return {id(p): group["weight_decay"] > 0 for group in optimizer.param_groups for p in group["params"]}

@@ -213,10 +213,15 @@ def check_expert_parallel(model: ModelConfig, training: TrainingConfig, parallel
 
 class DumpConfig(_Strict):
     """Full tensor dump at one step (for ULP evidence): main_grad and updated fp32 value of the listed
-    parameter keys, written by each rank to ``rank{r}.dump.safetensors`` (``grad/<key>``, ``param/<key>``)."""
+    parameter keys (``"*"``: every key), written by each rank to ``rank{r}.dump.safetensors`` (``grad/<key>``,
+    ``param/<key>``)."""
 
     step: int = Field(ge=0)
     keys: list[str]
+
+    def wants(self, key: str) -> bool:
+        """Whether `key` is to be dumped."""
+        return key in self.keys or "*" in self.keys
     max_bytes: int = Field(256 << 20, ge=1)
 
 

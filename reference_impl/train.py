@@ -110,10 +110,10 @@ class RankState:
 
     def dump_tensors(self, attr: str, prefix: str) -> dict:
         """{prefix/key: CPU copy} of the dump keys this rank holds (`RunConfig.dump`), within max_bytes."""
-        wanted, out, used = set(self.cfg.dump.keys), {}, 0
+        out, used = {}, 0
         for key, _, _, p, _ in self.params:
             t = getattr(p, attr)
-            if key in wanted and used + t.numel() * t.element_size() <= self.cfg.dump.max_bytes:
+            if self.cfg.dump.wants(key) and used + t.numel() * t.element_size() <= self.cfg.dump.max_bytes:
                 out[f"{prefix}/{key}"] = t.detach().cpu().clone().contiguous()
                 used += t.numel() * t.element_size()
         return out

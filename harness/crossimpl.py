@@ -1,0 +1,178 @@
+"""Cross-implementation comparison: one run of a case by both trainers (ours and megatron-core) from identical
+weights and data, measured tensor by tensor in ULPs.
+
+Layout comparison asks "did a bit move?"; this asks "do two implementations of the same model compute the same
+numbers, up to rounding?", which catches what is wrong the same way on every layout (a wrong loss scale, a
+missing weight decay, a convention mismatch).  What is compared, at one step (``step``):
+
+* the initial weights: bitwise (both trainers initialise every parameter from the case seed keyed by its global
+  name, `reference_impl.init`); any difference is an error, since then nothing else means anything;
+* the parameter inventory: keys, shapes and optimizer groups (weight decay on or off);
+* each microbatch's lm and MTP losses: distance in ULPs of the fp32 values;
+* each parameter's gradient (``main_grad`` after finalize): ``max |a - b| / ulp(max |a|)``, the largest
+  difference in ULPs at the tensor's own scale.  Raw per-element ULPs are also reported, but they are not
+  bounded: an element that nearly cancels has a tiny ULP, so two correct implementations can be millions of
+  ULPs apart there;
+* each parameter after the optimizer step: reported, not bounded, because Adam's first update is
+  ``lr * m / (sqrt(v) + eps)`` ~ ``lr * sign(g)`` per element: a gradient element near zero may change its
+  update by a whole ``lr`` between two implementations that agree to 1e-7.
+
+The verdict fails at the first loss (microbatch order) or gradient (canonical order) beyond ``max_ulp``.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from reference_impl.config import DumpConfig, RunConfig
+
+from .runner import run_ranks
+from .trace import Trace, TraceError, merge
+from .ulp import tensor_stats, ulp_distance
+
+MAX_DUMP_BYTES = 1 << 30
+
+
+class CrossImplementationSpec(BaseModel):
+    """The case file's ``cross_implementation:`` mapping."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    variant: Optional[str] = None      # the run to repeat with the other trainer (default: the baseline)
+    step: int = Field(0, ge=0)         # the step whose gradients and parameters are dumped and compared
+    max_ulp: int = Field(16, ge=0)     # bound on loss ULPs and on gradient ULPs at each tensor's scale
+
+
+def other_trainer(trainer: str) -> str:
+    """The trainer a cross-implementation run compares `trainer` with."""
+    return "reference" if trainer == "megatron-core" else "megatron-core"
+
+
+def scaled_ulp(a, b) -> float:
+    """``max |a - b| / ulp(max |a|)`` of two same-shape float tensors: their largest difference in units of the
+    last place of `a`'s largest-magnitude element (0 when equal; inf when only one is finite).
+
+    Raises ValueError on a shape mismatch."""
+    if a.shape != b.shape:
+        raise ValueError(f"cannot compare shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    x, y = a.detach().double().cpu().numpy(), b.detach().double().cpu().numpy()
+    if x.size == 0:
+        return 0.0
+    err = np.abs(x - y)
+    if not np.all(np.isfinite(err)):
+        return math.inf
+    scale = float(np.abs(x).max())
+    unit = float(np.spacing(np.asarray(scale, dtype=a.detach().cpu().numpy().dtype)))
+    return float(err.max()) / unit if unit > 0 else (0.0 if err.max() == 0 else math.inf)
+
+
+def _run(cfg: RunConfig, step: int, run_dir: Path, timeout: float, launcher: str):
+    cfg = cfg.model_copy(update={
+        "dump": DumpConfig(step=step, keys=["*"], max_bytes=MAX_DUMP_BYTES), "checkpoint": None, "resume_from": None,
+        "training": cfg.training.model_copy(update={"train_iters": step + 1})})
+    shutil.rmtree(run_dir, ignore_errors=True)
+    out = run_ranks(cfg, run_dir, timeout, launcher)
+    if not out.ok:
+        raise RuntimeError(f"{cfg.trainer} run failed: {out.error.splitlines()[0]}")
+    from safetensors.torch import load_file
+    trace = merge(run_dir, cfg.parallel.world_size)
+    tensors: dict = {}
+    for f in sorted(run_dir.glob("rank*.dump.safetensors")):
+        tensors.update(load_file(str(f)))
+    return trace, tensors, out.elapsed_s
+
+
+def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
+            trainers: tuple[str, str] = ("reference", "megatron-core")) -> dict:
+    """The comparison record of two dumped runs at `step`: `a` (with its dumped tensors `ta`) by ``trainers[0]``,
+    `b` by ``trainers[1]``."""
+    sa = next(s for s in a.steps if s.step == step)
+    sb = next(s for s in b.steps if s.step == step)
+    rec: dict = {"step": step, "max_ulp": max_ulp, "first_beyond_bound": None}
+    keys_a, keys_b = set(a.params), set(b.params)
+    rec["inventory"] = {
+        "only_in_" + trainers[0]: sorted(keys_a - keys_b), "only_in_" + trainers[1]: sorted(keys_b - keys_a),
+        "shape_differs": sorted(k for k in keys_a & keys_b if a.params[k]["shape"] != b.params[k]["shape"]),
+        "weight_decay_differs": sorted(k for k in keys_a & keys_b
+                                       if a.params[k].get("weight_decay") != b.params[k].get("weight_decay"))}
+    rec["init_differs"] = sorted(k for k in keys_a & keys_b if a.init.get(k) != b.init.get(k))
+    losses = []
+    for la, lb in zip(sa.losses or [], sb.losses or []):
+        row = {"microbatch": la["microbatch"], "lm": ulp_distance(la["lm"]["hex"], lb["lm"]["hex"]),
+               "mtp": [ulp_distance(x["hex"], y["hex"]) for x, y in zip(la["mtp"], lb["mtp"])],
+               "num_tokens_equal": la["num_tokens"] == lb["num_tokens"]}
+        losses.append(row)
+        worst = max([row["lm"], *row["mtp"]])
+        if rec["first_beyond_bound"] is None and worst > max_ulp:
+            rec["first_beyond_bound"] = {"what": "loss", "microbatch": row["microbatch"], "ulp": worst}
+    rec["losses"] = losses
+    tensors = []
+    for key in a.order:
+        if key not in keys_b or "@" in key:     # replicas repeat their original (checked per trace)
+            continue
+        row = {"key": key, "family": a.params[key].get("family")}
+        for what in ("grad", "param"):
+            x, y = ta.get(f"{what}/{key}"), tb.get(f"{what}/{key}")
+            if x is None or y is None:
+                row[what] = None
+                continue
+            stats = tensor_stats(x, y)
+            row[what] = {"scaled_ulp": scaled_ulp(x, y), "max_ulp": stats["max_ulp"],
+                         "median_ulp": stats["median_ulp"], "fraction": stats["fraction"],
+                         "max_rel_err": stats["max_rel_err"]}
+        tensors.append(row)
+        g = row["grad"]
+        if rec["first_beyond_bound"] is None and g is not None and g["scaled_ulp"] > max_ulp:
+            rec["first_beyond_bound"] = {"what": "grad", "key": key, "ulp": g["scaled_ulp"]}
+    rec["tensors"] = tensors
+    grads = [r["grad"]["scaled_ulp"] for r in tensors if r["grad"]]
+    rec["headline"] = {
+        "loss_max_ulp": max((max([r["lm"], *r["mtp"]]) for r in losses), default=0),
+        "grad_max_scaled_ulp": max(grads, default=0.0),
+        "grad_median_scaled_ulp": float(np.median(grads)) if grads else 0.0,
+        "grads_bitwise_equal": sum(r["grad"]["max_ulp"] == 0 and r["grad"]["fraction"] == 0 for r in tensors if r["grad"]),
+        "tensors": len(tensors),
+        "param_max_scaled_ulp": max((r["param"]["scaled_ulp"] for r in tensors if r["param"]), default=0.0)}
+    problems = []
+    if rec["init_differs"]:
+        problems.append(f"initial weights differ ({len(rec['init_differs'])} tensors, first {rec['init_differs'][0]})")
+    inv = rec["inventory"]
+    for field, items in inv.items():
+        if items:
+            problems.append(f"inventory: {field.replace('_', ' ')}: {', '.join(items[:3])}")
+    if not all(r["num_tokens_equal"] for r in losses) or len(sa.losses or []) != len(sb.losses or []):
+        problems.append("the two runs saw different data (token counts or microbatch counts differ)")
+    fb = rec["first_beyond_bound"]
+    if fb:
+        where = f"loss of microbatch {fb['microbatch']}" if fb["what"] == "loss" else f"gradient of {fb['key']}"
+        problems.append(f"{where}: {fb['ulp']:.4g} ULP > {max_ulp}")
+    rec["verdict"] = "fail" if problems else "pass"
+    rec["reason"] = "; ".join(problems) or (
+        f"losses within {rec['headline']['loss_max_ulp']} ULP, gradients within "
+        f"{rec['headline']['grad_max_scaled_ulp']:.3g} ULP at tensor scale (bound {max_ulp})")
+    return rec
+
+
+def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: float, launcher: str,
+        progress: Callable[[str], None] = print) -> dict:
+    """Run `cfg` (the chosen variant's config) with its own trainer and with the other one, each dumping every
+    parameter's gradient and updated value at ``spec.step``, and compare them (`compare`).  Returns the record
+    (``verdict`` pass / fail / error, ``reason``, per-loss and per-tensor rows, ``headline``)."""
+    first, second = cfg.trainer, other_trainer(cfg.trainer)
+    base = {"trainers": [first, second], "variant": spec.variant, "step": spec.step, "max_ulp": spec.max_ulp}
+    try:
+        progress(f"[cross-implementation] {first} vs {second} at step {spec.step} ...")
+        a, ta, ea = _run(cfg, spec.step, work / first, timeout, launcher)
+        b, tb, eb = _run(cfg.model_copy(update={"trainer": second, "inject": None}), spec.step,
+                         work / second, timeout, launcher)
+        rec = compare(a, ta, b, tb, spec.step, spec.max_ulp, (first, second))
+        rec.update(base, elapsed_s={first: ea, second: eb})
+    except (RuntimeError, TraceError, StopIteration) as e:
+        rec = {**base, "verdict": "error", "reason": str(e) or type(e).__name__}
+    progress(f"      {rec['verdict'].upper()}: {rec['reason']}")
+    return rec
+
