@@ -1,7 +1,8 @@
 """`bitparity fuzz`: random valid layouts of a case's model against its baseline, until a time budget ends.
 
 Every generated layout (`harness.strategies.layouts`) is a real multi-process run (the same forkserver
-runner as `verify`), compared bit for bit with the baseline's trace.  On the first layout that differs
+runner as `verify`, by the case's trainer: ours or megatron-core), compared bit for bit with the baseline's
+trace.  With megatron-core, a layout megatron's own validator refuses is drawn again, not counted.  On the first layout that differs
 (or errors), hypothesis shrinks it toward the simplest layout that still fails; the minimal one is written as
 a ready-to-run case YAML and verified into its own report.
 """
@@ -26,7 +27,8 @@ from .cases import CasePlan
 from .compare import compare
 from . import bounds
 from .errors import UsageError
-from .runner import run_ranks
+from . import trainers
+from .runner import preload, run_ranks
 from .strategies import layouts
 from .trace import TraceError, merge
 
@@ -90,6 +92,7 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
     start = time.monotonic()
     deadline = start + budget_s
     work = Path(tempfile.mkdtemp(prefix=f"bitparity-fuzz-{plan.name}-"))
+    preload([base_cfg])           # megatron-core imported once, in the forkserver, not in every rank
     try:
         outcome = run_ranks(base_cfg, work / "baseline", plan.spec.timeout_s)
         if not outcome.ok:
@@ -109,6 +112,8 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
                 reject()
             cfg = base_cfg.model_copy(update={"inject": inject, "parallel": ParallelConfig(
                 pipeline_model_parallel_layout=text, pipeline_model_parallel_size=pp)})
+            if cfg.trainer != "reference" and trainers.megatron_config_problem(cfg):
+                reject()                  # megatron's own validator refuses it: not a run, not a finding
             run_dir = work / f"run{result.tried}"
             t0 = time.monotonic()
             out = run_ranks(cfg, run_dir, plan.spec.timeout_s)
@@ -165,7 +170,7 @@ def write_minimal_case(plan: CasePlan, failure: dict, out_root: Path, inject: Op
     spec = plan.spec
     case = {"name": f"{plan.name}-fuzz-minimal",
             "description": f"minimal failing layout found by bitparity fuzz: {failure['why']}",
-            "timeout_s": spec.timeout_s, "device": spec.device,
+            "timeout_s": spec.timeout_s, "device": spec.device, "trainer": spec.trainer,
             "model": spec.model.model_dump(mode="json"),
             "training": spec.training.model_dump(mode="json", exclude={"data"}) | (
                 {"data": spec.training.data.model_dump(mode="json")} if spec.training.data.path else {}),
