@@ -34,7 +34,8 @@ def versions(config: RunConfig) -> dict:
     from megatron_trainer import compat
     return {"trainer": config.trainer, "megatron_core": megatron_version(), "megatron_compat": compat.VERSION,
             "megatron_compat_points": list(compat.points(config.device)),
-            "megatron_compat_checked_versions": list(compat.SUPPORTED)}
+            "megatron_compat_checked_versions": list(compat.SUPPORTED),
+            "megatron_version_checked": compat.version_checked(megatron_version() or "")}
 
 
 def problem(config: RunConfig, inject_known: bool = True) -> Optional[str]:
@@ -55,10 +56,8 @@ def problem(config: RunConfig, inject_known: bool = True) -> Optional[str]:
                 "`pip install -e '.[megatron]'` (or run `make verify-megatron`)")
     from megatron_trainer import compat, faults
 
-    if config.device == "cpu" and not version.startswith(compat.SUPPORTED):
-        return (f"trainer megatron-core: megatron-core {version} is not a version the CPU compatibility layer "
-                f"was checked against ({', '.join(compat.SUPPORTED)}x); run on CUDA or update "
-                "megatron_trainer/compat.py")
+    if config.device == "cpu" and not compat.version_checked(version) and not compat.unchecked_allowed():
+        return f"trainer megatron-core: {compat.unchecked_message(version)}"
     t, par = config.training, config.parallel
     if config.device == "cpu" and config.params_dtype != "float32":
         return ("trainer megatron-core: params_dtype bfloat16 on CPU is not run (megatron's bf16 optimizer checks "

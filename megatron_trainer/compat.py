@@ -29,6 +29,28 @@ VERSION = "2"                        # of this layer; recorded in every manifest
 SUPPORTED = ("0.16.",)               # megatron-core versions the points were checked against
 
 
+UNCHECKED_ENV = "BITPARITY_MEGATRON_UNCHECKED"
+
+
+def version_checked(version: str) -> bool:
+    """Whether the CPU points were checked against this megatron-core version."""
+    return version.startswith(SUPPORTED)
+
+
+def unchecked_allowed() -> bool:
+    """``BITPARITY_MEGATRON_UNCHECKED=1``: run a megatron-core the CPU points were not checked against (a
+    Megatron-LM checkout under development); each point still checks the code it patches and fails loudly."""
+    import os
+    return os.environ.get(UNCHECKED_ENV) == "1"
+
+
+def unchecked_message(version: str) -> str:
+    """The one line refusing an unchecked version on CPU."""
+    return (f"megatron-core {version} is not a version the CPU compatibility layer was checked against "
+            f"({', '.join(SUPPORTED)}x): set {UNCHECKED_ENV}=1 to run it anyway (every point still checks the code "
+            "it patches), or update megatron_trainer/compat.py")
+
+
 class CompatError(RuntimeError):
     """A compatibility point no longer matches the installed megatron-core (message names the point)."""
 
@@ -142,10 +164,8 @@ def apply(device_type: str = "cpu") -> tuple:
     from megatron.core import utils as mutils
     from megatron.core.transformer import utils as tutils
 
-    version = megatron.core.__version__
-    if cpu and not version.startswith(SUPPORTED):
-        raise CompatError(f"megatron-core {version} is not one the CPU compat layer was checked against "
-                          f"({', '.join(SUPPORTED)}x); update megatron_trainer/compat.py (or run on CUDA)")
+    if cpu and not version_checked(megatron.core.__version__) and not unchecked_allowed():
+        raise CompatError(unchecked_message(megatron.core.__version__))
 
     # 1. torch.cuda.current_device() is used as a device argument all over megatron (router, MTP, gpt_model,
     #    param_and_grad_buffer, p2p shape exchange): on CPU it names the CPU.  The CUDA RNG tracker
