@@ -138,3 +138,19 @@ def merge(run_dir: Path, world_size: int) -> Trace:
     order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
     return Trace(format=FORMAT, params=params, order=order, init=init,
                  steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size)
+
+
+def check_losses(trace: Trace, num_microbatches: int, mtp_num_layers: int) -> None:
+    """The trace contract on losses: every step has one record per microbatch, in order, each with
+    `mtp_num_layers` MTP losses (a trainer that drops them would otherwise compare equal to itself).
+
+    Raises:
+        TraceError: naming the step and what is missing."""
+    for st in trace.steps:
+        mbs = [x.get("microbatch") for x in st.losses]
+        if mbs != list(range(num_microbatches)):
+            raise TraceError(f"step {st.step}: losses for microbatches {mbs}, expected 0..{num_microbatches - 1}")
+        for x in st.losses:
+            if len(x.get("mtp", [])) != mtp_num_layers:
+                raise TraceError(f"step {st.step} microbatch {x['microbatch']}: {len(x.get('mtp', []))} MTP losses, "
+                                 f"expected mtp_num_layers = {mtp_num_layers}")

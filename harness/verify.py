@@ -36,7 +36,7 @@ from .report import write_report
 from .results import CaseResult, StepSeries, VariantResult
 from .runner import RunOutcome, run_ranks
 from .runner import preload as runner_preload
-from .trace import Trace, TraceError, merge
+from .trace import Trace, TraceError, check_losses, merge
 
 
 def environment() -> dict:
@@ -273,6 +273,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         if outcome.ok:
             try:
                 trace = merge(work / dirs[name], run.config.parallel.world_size)
+                check_losses(trace, run.config.training.num_microbatches, run.config.model.mtp_num_layers)
                 trace.save(work / dirs[name] / "trace.json")
             except TraceError as e:
                 outcome = RunOutcome(False, f"trace error: {e}", outcome.elapsed_s)

@@ -8,9 +8,11 @@ local core attention (point 2) fails on a GPU too (measured on an H200 with torc
 installed points 3 and 7 as well.  So `apply` takes the device: on CUDA only those (`LOCAL_SPEC_POINTS`) are
 applied; the rest of megatron runs as shipped.
 
-Every point checks that the code it works around still looks the way it did in the versions it was written
-for (`SUPPORTED`) and raises `CompatError` naming the point when it does not (a newer megatron-core may have
-fixed it, or moved it), so the layer never silently patches the wrong thing.
+Every point first checks that the bug it works around is still there: a newer megatron-core that fixed it runs
+without the point, which is recorded (`NOT_NEEDED`: the rank log and the trace header's settings say which and
+why).  Where the bug is there but the code it patches moved, `CompatError` names the point, so the layer never
+silently patches the wrong thing.  The version list (`SUPPORTED`) is what the points were checked against; on
+CPU another version runs only with ``BITPARITY_MEGATRON_UNCHECKED=1`` (a Megatron-LM checkout).
 
 Arithmetic: no point changes a computation.  Streams, events and synchronisation are inert on CPU (gloo
 collectives are synchronous); the CUDA RNG tracker is only consulted around dropout, which is 0 in every
@@ -53,6 +55,17 @@ def unchecked_message(version: str) -> str:
 
 class CompatError(RuntimeError):
     """A compatibility point no longer matches the installed megatron-core (message names the point)."""
+
+
+NOT_NEEDED: dict[str, str] = {}      # point -> why megatron no longer needs it (fixed upstream); rank log + header
+
+
+def _needed(bug_present: bool, point: str, fixed: str) -> bool:
+    """Whether a point's bug is still in the installed megatron; if not, the point is skipped and recorded
+    (`NOT_NEEDED`): a newer megatron-core that fixed it runs without it."""
+    if not bug_present:
+        NOT_NEEDED[point] = fixed
+    return bug_present
 
 
 def _require(cond: bool, point: str, what: str) -> None:
@@ -141,7 +154,8 @@ def points(device_type: str) -> tuple:
 
 
 def apply(device_type: str = "cpu") -> tuple:
-    """Apply `points(device_type)` (idempotent) and return them.  Call in the rank after importing megatron.core,
+    """Apply `points(device_type)` (idempotent) and return those applied: the points whose bug the installed
+    megatron still has (the others are in `NOT_NEEDED`).  Call in the rank after importing megatron.core,
     before building anything.
 
     Raises:
@@ -151,7 +165,6 @@ def apply(device_type: str = "cpu") -> tuple:
     wanted = points(device_type)
     if _applied:
         return _applied
-    _applied = wanted
     cpu = device_type == "cpu"
     import megatron.core
     from megatron.core.tensor_parallel import random as mrandom
@@ -182,26 +195,26 @@ def apply(device_type: str = "cpu") -> tuple:
     #    passes (multi_latent_attention.py, MLASelfAttention.__init__), and sizes its output by kv_channels:
     #    accept them and size the output heads by v_channels (MLA passes its softmax scale explicitly).
     init = dpa.DotProductAttention.__init__
-    _require("k_channels" not in inspect.signature(init).parameters and "k_channels=" in _source(mla),
-             "2", "DotProductAttention.__init__ now takes k_channels, or MLA no longer passes it")
-
-    @functools.wraps(init)
-    def dpa_init(self, *args, k_channels=None, v_channels=None, **kwargs):
-        init(self, *args, **kwargs)
-        if v_channels is not None:
-            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
-        if k_channels is not None:
-            self.hidden_size_per_attention_head = k_channels
-    dpa.DotProductAttention.__init__ = dpa_init
+    if _needed("k_channels" not in inspect.signature(init).parameters and "k_channels=" in _source(mla), "2",
+               "DotProductAttention.__init__ takes k_channels (or MLA no longer passes it)"):
+        @functools.wraps(init)
+        def dpa_init(self, *args, k_channels=None, v_channels=None, **kwargs):
+            init(self, *args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+            if k_channels is not None:
+                self.hidden_size_per_attention_head = k_channels
+        dpa.DotProductAttention.__init__ = dpa_init
 
     # 3. multi_latent_attention.HAVE_TE is true without Transformer Engine (its try-import of megatron's TE
     #    extension module succeeds even when TE is absent), which sends MLA down TE-only paths.
-    if "3" in wanted:
-        _require(hasattr(mla, "HAVE_TE"), "3", "multi_latent_attention.HAVE_TE is gone")
+    if "3" in wanted and _needed(getattr(mla, "HAVE_TE", False) is True, "3",
+                                 "multi_latent_attention.HAVE_TE is false without Transformer Engine"):
         mla.HAVE_TE = False
     if not cpu:
         if "7" in wanted:
             _patch_te_general_gemm(moe_utils)
+        _applied = _still_needed(wanted)
         return _applied
 
     # 4. CUDA streams, events and synchronize: MoE alltoall dispatcher (moe/token_dispatcher.py: a side stream
@@ -215,17 +228,19 @@ def apply(device_type: str = "cpu") -> tuple:
 
     # 5. LanguageModule.setup_embeddings_and_output_layer moves the MTP stage's embedding with Tensor.cuda()
     #    (models/common/language_module/language_module.py).
-    _require(".cuda()" in _source(language_module.LanguageModule.setup_embeddings_and_output_layer), "5",
-             "setup_embeddings_and_output_layer no longer calls .cuda()")
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    if _needed(".cuda()" in _source(language_module.LanguageModule.setup_embeddings_and_output_layer), "5",
+               "setup_embeddings_and_output_layer no longer calls .cuda()"):
+        torch.Tensor.cuda = lambda self, *a, **k: self
 
     # 6. device="cuda" tensor factories in schedules.py (token counts), optimizer.py (found_inf, scale),
     #    clip_grads.py (norm buffers), utils.py (local l2norm fallback), transformer/utils.py (the default causal
     #    mask of the non-TE softmax): these modules see `_CpuTorch`.
-    for module in (schedules, optimizer, clip_grads, mutils, tutils):
-        _require(getattr(module, "torch", None) is torch and "device='cuda'" in _source(module).replace('"', "'"),
-                 "6", f"{module.__name__} no longer creates tensors with device='cuda'")
+    factories = [m for m in (schedules, optimizer, clip_grads, mutils, tutils)
+                 if "device='cuda'" in _source(m).replace('"', "'")]
+    for module in factories:
+        _require(getattr(module, "torch", None) is torch, "6", f"{module.__name__} has no module-level torch")
         module.torch = _CpuTorch()
+    _needed(bool(factories), "6", "no module creates tensors with device='cuda'")
 
     # 7. moe_utils.te_general_gemm is referenced (router gemm, moe_utils.py RouterGatingLinearFunction) but only
     #    defined when the TE import succeeds: without TE the name is missing (NameError), not None.
@@ -236,16 +251,26 @@ def apply(device_type: str = "cpu") -> tuple:
     #    it where the optimizer looks it up.
     clip = clip_grads.clip_grad_by_total_norm_fp32
     source = _source(clip)
+    if not _needed("'torch.cuda.FloatTensor'" in source, "8",
+                   "clip_grad_by_total_norm_fp32 no longer asserts 'torch.cuda.FloatTensor'"):
+        _applied = _still_needed(wanted)
+        return _applied
     _require(source.count("'torch.cuda.FloatTensor'") == 1 and getattr(optimizer, clip.__name__, None) is clip, "8",
-             "clip_grad_by_total_norm_fp32 no longer asserts 'torch.cuda.FloatTensor' (or is not used by optimizer.py)")
+             "clip_grad_by_total_norm_fp32 asserts the CUDA type more than once, or optimizer.py no longer uses it")
     namespace: dict = {}
     exec(compile(source.replace("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"), inspect.getsourcefile(clip),
                  "exec"), vars(clip_grads), namespace)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = namespace[clip.__name__]
+    _applied = _still_needed(wanted)
     return _applied
 
 
+def _still_needed(wanted: tuple) -> tuple:
+    """`wanted` without the points megatron no longer needs (`NOT_NEEDED`)."""
+    return tuple(p for p in wanted if p not in NOT_NEEDED)
+
+
 def _patch_te_general_gemm(moe_utils) -> None:
-    _require("te_general_gemm" not in vars(moe_utils) and "te_general_gemm is not None" in _source(moe_utils), "7",
-             "moe_utils.te_general_gemm is now defined without TE, or no longer tested against None")
-    moe_utils.te_general_gemm = None
+    if _needed("te_general_gemm" not in vars(moe_utils) and "te_general_gemm" in _source(moe_utils), "7",
+               "moe_utils.te_general_gemm is defined without Transformer Engine"):
+        moe_utils.te_general_gemm = None

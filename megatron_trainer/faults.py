@@ -3,12 +3,15 @@ computes, so the tests can prove that a check fails when the trainer is broken.
 
 * ``skip_mtp_embedding_sync``: ``finalize_model_grads`` without the word-embedding all-reduce between the first
   stage and the MTP stage (``_allreduce_word_embedding_grads``): the MTP stage's embedding replica keeps its own
-  gradient and then drifts from the first stage's embedding.  Only layouts with a separate MTP stage hold a
-  replica, so only they are affected.
+  gradient and then drifts from the first stage's embedding.  Every layout whose MTP layer is not on the first
+  stage's rank holds such a replica (every P > 1 layout, MTP with the loss included), so all of them are
+  affected; P = 1 has one embedding.
 * ``default_embedding_group``: megatron-core's default embedding group (first and last pipeline rank) instead
   of Megatron-LM's (first rank and the MTP ranks, `model.embedding_ranks`): the mistake a megatron-core user
   makes who builds the parallel state without ``get_embedding_ranks``.  Affects layouts whose MTP stage is not
-  on the last pipeline rank.
+  on the last pipeline rank: there the replica is never synchronised, and the last rank, which holds no
+  embedding, all-reduces its untied ``output_layer.weight`` gradient (same shape) with the first stage's
+  embedding gradient, corrupting both.
 * ``mtp_loss_scale_doubled``: the MTP loss enters the objective with twice ``mtp_loss_scaling_factor`` (a wrong
   scale applied the same way on every layout: every layout comparison passes; only an independent
   implementation, `harness.crossimpl`, sees the gradients move).
@@ -34,7 +37,9 @@ def finalize(inject: Optional[str], finalize_model_grads: Callable) -> Callable:
     """megatron's ``finalize_model_grads``, or the planted defect's version of it."""
     if inject != "skip_mtp_embedding_sync":
         return finalize_model_grads
-    from megatron.core.distributed import finalize_model_grads as module
+    import importlib
+    # the submodule, not the function of the same name that megatron.core.distributed re-exports
+    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 
     def without_embedding_sync(*args, **kwargs):
         original = module._allreduce_word_embedding_grads

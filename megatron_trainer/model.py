@@ -4,8 +4,8 @@ One model chunk per virtual stage of this rank, as Megatron-LM's ``training.get_
 ``gpt_builders.gpt_builder`` build them: the layout string goes to megatron as-is
 (``pipeline_model_parallel_layout``), so megatron's own parser and validator decide what each chunk holds;
 pre/post-process by ``is_pipeline_first_stage`` / ``is_pipeline_last_stage(ignore_virtual=False)``; the MTP
-block spec where ``mtp_on_this_rank(ignore_virtual=False)``, its inner layer the spec of the *global* last
-decoder layer (an MTP-only stage's own block spec is empty).  Local (non-TE) specs; plain RoPE.
+block spec where the layout puts MTP layers (``get_gpt_mtp_block_spec`` returns None elsewhere), its inner layer
+the spec of the *global* last decoder layer (an MTP-only stage's own block spec is empty).  Local (non-TE) specs; plain RoPE.
 
 Then every parameter is renamed to its global name (`global_parameters`) and re-initialised from the case seed
 keyed by that name (`reference_impl.init`), as the reference trainer does: Megatron's own init depends on which
@@ -105,7 +105,6 @@ def build_chunks(cfg: RunConfig, config) -> list:
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs,
                                                           get_gpt_mtp_block_spec)
     from megatron.core.transformer.enums import ModelType
-    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
     virtual = config.virtual_pipeline_model_parallel_size
     last_layer_spec = get_gpt_decoder_layer_specs(config, use_transformer_engine=False)[-1]
@@ -113,9 +112,9 @@ def build_chunks(cfg: RunConfig, config) -> list:
     for vp in range(virtual or 1):
         vp_stage = vp if virtual else None
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
-        mtp = None
-        if config.mtp_num_layers and mtp_on_this_rank(config, ignore_virtual=virtual is None, vp_stage=vp_stage):
-            mtp = get_gpt_mtp_block_spec(config, last_layer_spec, use_transformer_engine=False, vp_stage=vp_stage)
+        # None where the layout puts no MTP layer on this (pp rank, virtual stage) (get_mtp_num_layers_to_build)
+        mtp = get_gpt_mtp_block_spec(config, last_layer_spec, use_transformer_engine=False, vp_stage=vp_stage) \
+            if config.mtp_num_layers else None
         model = GPTModel(
             config=config, transformer_layer_spec=block, vocab_size=cfg.model.vocab_size,
             max_sequence_length=cfg.training.seq_length,

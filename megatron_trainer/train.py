@@ -30,7 +30,7 @@ from trainerkit import names
 from trainerkit.capture import FORMAT, TraceWriter, scalar
 from trainerkit.fingerprint import fingerprint_hex_many
 
-from . import faults
+from . import compat, faults
 from .model import build_chunks, embedding_ranks, expert_biases, global_parameters, transformer_config
 
 
@@ -103,6 +103,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    import megatron.core
+    megatron_version = megatron.core.__version__
     t, m = cfg.training, cfg.model
     config = transformer_config(cfg)
     ps.initialize_model_parallel(1, cfg.parallel.pipeline_model_parallel_size,
@@ -155,7 +157,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
                          for k, gp in zip(keys, params)],
               "reductions": "megatron", "device": str(device), "params_dtype": cfg.params_dtype,
               "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
-              "settings": {"overlap_p2p_comm": config.overlap_p2p_comm, "batch_p2p_comm": config.batch_p2p_comm}}
+              "settings": {"overlap_p2p_comm": config.overlap_p2p_comm, "batch_p2p_comm": config.batch_p2p_comm,
+                           "megatron_core": megatron_version, "compat_not_needed": dict(compat.NOT_NEEDED)}}
     writer = TraceWriter(trace_path)
     writer.write(header)
     writer.write({"type": "init", "params": _fingerprints(cfg, [masters.get(id(gp.param), gp.param) for gp in params], keys)})

@@ -69,7 +69,8 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     try:
         import megatron.core
         print(f"rank {rank}/{world_size} pid {os.getpid()}: torch {torch.__version__}, megatron-core "
-              f"{megatron.core.__version__}, compat layer {compat.VERSION} points {','.join(points)}, "
+              f"{megatron.core.__version__}, compat layer {compat.VERSION} points {','.join(points)}"
+              f"{'; not needed: ' + '; '.join(f'{p} ({why})' for p, why in compat.NOT_NEEDED.items()) if compat.NOT_NEEDED else ''}, "
               f"threads {torch.get_num_threads()}, {backend} on {device}")
         train(cfg, rank, Path(run_dir) / f"rank{rank}.jsonl", device)
         print(f"rank {rank}: done")

@@ -13,7 +13,8 @@
 * what megatron-core cannot run is a one-line usage error before anything runs.
 
 Four CLI runs (the case, its layouts on the reference trainer, the case under each planted defect), each once
-per module: ~1.5 min on 2 cores.  Skipped without the `megatron` extra.
+per module, and one subprocess for the compatibility layer: ~2 min on 2 cores.  Skipped without the
+`megatron` extra (megatron-core not importable).
 """
 import importlib.metadata
 import json
@@ -32,7 +33,6 @@ from test_cli_errors import _check_usage_error  # noqa: E402
 CASE = ROOT / "tests" / "cases" / "megatron-small.yaml"
 BASELINE = "pp2-vpp2-mtp-with-loss"
 STANDALONE = ("pp4-mtp-standalone", "pp4-mtp-only-stage")     # MTP on rank 2 of 4: not with the loss
-MTP_ON_LAST_RANK = (BASELINE, "pp4-mtp-with-loss")
 STRUCTURAL = (BASELINE, *STANDALONE, "pp4-mtp-with-loss", "pp1")   # the layouts also run on the reference
 P = {BASELINE: 2, "pp4-mtp-standalone": 4, "pp4-mtp-only-stage": 4, "pp4-mtp-with-loss": 4, "pp1": 1,
      "clip/pp2-vpp2-mtp-with-loss": 2, "clip/pp4-mtp-standalone": 4}
@@ -216,8 +216,9 @@ def test_manifest_names_the_trainer(megatron, reference):
         trainer = _load(report, name, "manifest.json")["trainer"]
         assert trainer["trainer"] == "megatron-core"
         assert trainer["megatron_core"] == importlib.metadata.version("megatron-core")
-        assert trainer["megatron_cpu_compat"] == compat.VERSION
-        assert trainer["megatron_cpu_compat_supports"] == list(compat.SUPPORTED)
+        assert trainer["megatron_compat"] == compat.VERSION
+        assert trainer["megatron_compat_points"] == ["1", "2", "3", "4", "5", "6", "7", "8"]    # all, on CPU
+        assert trainer["megatron_compat_checked_versions"] == list(compat.SUPPORTED)
     assert _load(reference, BASELINE, "manifest.json")["trainer"] == {"trainer": "reference"}
 
 
@@ -230,7 +231,9 @@ def test_planted_defects_are_caught_at_the_embedding(injected):
 
     skip_mtp_embedding_sync skips the all-reduce, so every P > 1 layout fails (each holds a replica on its
     MTP rank, with the loss or not); default_embedding_group puts the first and the *last* rank in the group,
-    which is right only where the MTP layer is on the last rank.  P = 1 has no replica and no all-reduce."""
+    which is right only where the MTP layer is on the last rank (elsewhere the last rank, which holds no
+    embedding, sums its output_layer.weight gradient, same shape, into the first stage's embedding gradient,
+    and the MTP replica is never synced).  P = 1 has no replica and no all-reduce."""
     fault, proc, v = injected
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert v[BASELINE]["verdict"] == "pass"                     # --inject spares the baseline
@@ -289,14 +292,15 @@ COMPAT_PROBE = textwrap.dedent("""\
     }
     original_cuda = torch.Tensor.cuda
     for change in sys.argv[1:]:
+        device = "cuda" if change == "cuda" else "cpu"   # "cuda": the points a rank on a GPU applies
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(r)
             try:
-                CHANGES[change]()
-                compat.apply()
-                result = {"raised": None, "applied": compat._applied}
+                CHANGES.get(change, lambda: None)()
+                result = {"raised": None, "applied": list(compat.apply(device)),
+                          "expected": list(compat.points(device)), "not_needed": dict(compat.NOT_NEEDED)}
             except compat.CompatError as e:
                 result = {"raised": "CompatError", "message": str(e)}
             except BaseException as e:
@@ -310,12 +314,16 @@ COMPAT_PROBE = textwrap.dedent("""\
         os.waitpid(pid, 0)
     """)
 
-POINTS = ("1", "2", "3", "5", "6", "7", "8")
+# a point whose patch target moved while its bug is still there: CompatError naming the point
+MOVED = ("1", "6", "8")
+# a point whose bug megatron fixed: skipped, recorded in NOT_NEEDED, the other points still applied
+FIXED = ("2", "3", "5", "7")
+POINTS = MOVED + FIXED
 
 
 @pytest.fixture(scope="module")
 def compat_probe():
-    proc = subprocess.run([sys.executable, "-c", COMPAT_PROBE, "none", "version", *POINTS], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", COMPAT_PROBE, "none", "cuda", "version", *POINTS], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = {}
@@ -325,7 +333,13 @@ def compat_probe():
 
 
 def test_compat_applies_to_the_installed_megatron(compat_probe):
-    assert compat_probe["none"] == {"raised": None, "applied": True, "patched": True}
+    assert compat_probe["none"] == {"raised": None, "applied": ["1", "2", "3", "4", "5", "6", "7", "8"],
+                                    "expected": ["1", "2", "3", "4", "5", "6", "7", "8"], "not_needed": {},
+                                    "patched": True}
+    # on a GPU only the local-spec points (no CPU plumbing: Tensor.cuda stays megatron's)
+    cuda = compat_probe["cuda"]
+    assert cuda["raised"] is None and cuda["applied"] == cuda["expected"] and cuda["patched"] is False
+    assert "2" in cuda["applied"] and not {"1", "4", "5", "6", "8"} & set(cuda["applied"])
 
 
 def test_compat_refuses_another_megatron_version(compat_probe):
@@ -336,12 +350,21 @@ def test_compat_refuses_another_megatron_version(compat_probe):
     assert result["patched"] is False           # refused before any point is applied
 
 
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("point", MOVED)
 def test_compat_point_names_itself_when_megatron_changed(compat_probe, point):
     result = compat_probe[point]
     assert result["raised"] == "CompatError", result
     assert result["message"].startswith(f"megatron CPU compat point {point}: "), result["message"]
     assert "update megatron_trainer/compat.py" in result["message"]
+
+
+@pytest.mark.parametrize("point", FIXED)
+def test_compat_point_fixed_upstream_is_skipped_and_recorded(compat_probe, point):
+    result = compat_probe[point]
+    assert result["raised"] is None, result
+    assert point not in result["applied"] and set(result["applied"]) == set(result["expected"]) - {point}
+    assert list(result["not_needed"]) == [point] and result["not_needed"][point]
+    assert result["patched"] is (point != "5")      # point 5 is the Tensor.cuda patch
 
 
 # --- 5. what megatron-core cannot run: one line, exit 2, nothing written -----------------------------------
