@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_fuzz.py
 	$(BIN)/python bench/bench_overlap.py
 	$(BIN)/python bench/bench_verify.py $(ARGS)
+	$(BIN)/python bench/bench_megatron.py
 
 # the long hypothesis profile for the layout properties, then random layouts against CASE's baseline
 fuzz: $(STAMP)

@@ -94,9 +94,12 @@ def _forward_step(recorder: LossRecorder, data_iterator, model):
     return output, partial(recorder.loss_func, mask)
 
 
-def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> None:
+def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, started: float | None = None) -> None:
     """Run ``cfg.training.train_iters`` steps of megatron-core on pipeline rank `rank` (world = P; torch
-    distributed already initialised), writing the rank trace to `trace_path`."""
+    distributed already initialised), writing the rank trace to `trace_path`.  `started`: the rank's
+    ``time.perf_counter()`` at process entry; the header's ``setup_s`` counts from there to the first step
+    (process group, parallel state, model build and init, DDP, optimizer)."""
+    started = time.perf_counter() if started is None else started
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -157,6 +160,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device) -> 
                          for k, gp in zip(keys, params)],
               "reductions": "megatron", "device": str(device), "params_dtype": cfg.params_dtype,
               "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
+              "setup_s": time.perf_counter() - started,
               "settings": {"overlap_p2p_comm": config.overlap_p2p_comm, "batch_p2p_comm": config.batch_p2p_comm,
                            "megatron_core": megatron_version, "compat_not_needed": dict(compat.NOT_NEEDED)}}
     writer = TraceWriter(trace_path)

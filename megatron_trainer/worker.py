@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from reference_impl.config import RunConfig
 def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None) -> None:
     """Initialise the process group through a FileStore (gloo on CPU, NCCL on CUDA), run megatron-core's
     training (`train.train`), write ``rank{r}.jsonl``; stdout/stderr go to ``rank{r}.log``."""
+    started = time.perf_counter()
     process.enter_rank(rank, run_dir, forked=store_path is not None)
     from . import compat
     from .train import train
@@ -72,7 +74,7 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
               f"{megatron.core.__version__}, compat layer {compat.VERSION} points {','.join(points)}"
               f"{'; not needed: ' + '; '.join(f'{p} ({why})' for p, why in compat.NOT_NEEDED.items()) if compat.NOT_NEEDED else ''}, "
               f"threads {torch.get_num_threads()}, {backend} on {device}")
-        train(cfg, rank, Path(run_dir) / f"rank{rank}.jsonl", device)
+        train(cfg, rank, Path(run_dir) / f"rank{rank}.jsonl", device, started)
         print(f"rank {rank}: done")
     finally:
         dist.destroy_process_group()
