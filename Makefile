@@ -14,8 +14,9 @@ BUDGET  ?= 10m
 # ATen kernel sets and MKL's reproducible branch, so an expectation that flips with the CPU fails here.
 PORTABILITY_SETTINGS ?= ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE
 PORTABILITY_TESTS    ?= tests/test_reductions.py tests/test_expert_parallel.py tests/test_verify_e2e.py \
-                        tests/test_overlap.py tests/test_faults.py tests/test_evidence.py tests/test_model.py
-PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml
+                        tests/test_overlap.py tests/test_faults.py tests/test_evidence.py tests/test_model.py \
+                        tests/test_megatron_trainer.py tests/test_crossimpl.py tests/test_mla_convention.py
+PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml cases/megatron-dsv3.yaml
 
 .PHONY: verify verify-megatron test test-portability bench bench-gpu fuzz venv clean
 
