@@ -61,6 +61,7 @@ def _verify(tmp_path: Path, inject: str | None):
 
 
 @pytest.mark.slow
+@pytest.mark.megatron
 def test_reference_and_megatron_agree_within_the_bound(tmp_path):
     pytest.importorskip("megatron.core")
     proc, summary = _verify(tmp_path, None)
@@ -77,6 +78,7 @@ def test_reference_and_megatron_agree_within_the_bound(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.megatron
 def test_a_bug_the_same_on_every_layout_is_caught_only_by_the_other_implementation(tmp_path):
     """megatron_trainer.faults ``mtp_loss_scale_doubled`` in every run: the layouts agree bit for bit, the
     reference trainer does not."""

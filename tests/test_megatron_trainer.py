@@ -43,7 +43,7 @@ EXPERT_BIASES = {"decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.ml
                  "mtp.layers.0.transformer_layer.mlp.router.expert_bias"}
 TRAIN_ITERS, NUM_MICROBATCHES = 2, 4
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 
 def _verify(out, case, *args):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+pytestmark = pytest.mark.megatron
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: E402
