@@ -35,8 +35,11 @@ def test_scaled_ulp_measures_at_the_tensors_scale():
 def _case(tmp_path: Path, inject: str | None) -> Path:
     fault = f"\n  inject: {inject}" if inject else ""
     vfault = f"\n    inject: {inject}" if inject else ""
+    # top-4 of the 2 best of 4 groups: the group limit bites, so the seq aux loss's counts (eq. 18: the plain
+    # top-K, not the routed experts) matter; a visible aux-loss coefficient
     text = f"""extends: {SMALL}
 name: xi
+model: {{moe_router_topk: 4, moe_aux_loss_coeff: 0.01}}
 baseline:
   name: pp2
   pipeline_model_parallel_layout: "Ett|ttmL"

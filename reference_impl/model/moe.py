@@ -78,14 +78,20 @@ class Router(nn.Module):
         self.tokens_per_expert.zero_()
 
 
-def seq_aux_loss(scores: torch.Tensor, index: torch.Tensor, s: int, b: int, cfg: ModelConfig) -> torch.Tensor:
+def seq_aux_loss(scores: torch.Tensor, s: int, b: int, cfg: ModelConfig) -> torch.Tensor:
     """Sequence-wise balance loss (DeepSeek-V3 §2.1.2, eqs. 17-20), averaged over the b sequences.
 
-    scores [s*b, E] (rows in [s, b] order), index [s*b, K].  ``alpha * sum_i f_i P_i`` with
-    ``f_i = E/(K s) * #tokens of the sequence routed to i`` and ``P_i = mean_t s_it / sum_j s_jt``.
+    scores [s*b, E] (rows in [s, b] order).  ``alpha * sum_i f_i P_i`` with ``f_i = E/(K s) * #tokens of the
+    sequence whose top-K of the normalised scores s'_t contains i`` (eq. 18: the plain top-K of the affinities,
+    without the expert bias and without the group limit that the routing uses; Megatron's
+    ``moe_utils.compute_routing_scores_for_aux_loss``) and ``P_i = mean_t s'_it``.  Ties go to the lower index.
+    (Counting the routed experts instead, biased and group-limited, differs from Megatron by millions of ULP
+    in the router gradients once the group limit bites: found by the cross-implementation check.)
     """
     e, k = cfg.num_moe_experts, cfg.moe_router_topk
-    normed = (scores / (scores.sum(-1, keepdim=True) + 1e-20)).view(s, b, e)
+    normed_rows = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    normed = normed_rows.view(s, b, e)
+    _, index = _topk_stable(normed_rows.detach(), k)
     routed = torch.zeros(s * b, e, device=scores.device)
     routed[torch.arange(s * b, device=scores.device).unsqueeze(1), index] = 1.0
     f = routed.view(s, b, e).sum(0) * (e / (k * s))          # [b, E]
@@ -147,7 +153,7 @@ class MoELayer(nn.Module):
         if self.cfg.moe_aux_loss_coeff > 0:
             to_probs, to_aux = fanout(scores, 2)
             probs = self.router.probs(to_probs, index)
-            probs = LossAutoScaler.apply(probs, seq_aux_loss(to_aux, index, s, b, self.cfg), self.aux_loss_scale)
+            probs = LossAutoScaler.apply(probs, seq_aux_loss(to_aux, s, b, self.cfg), self.aux_loss_scale)
         else:
             probs = self.router.probs(scores, index)
         plan = plan_dispatch(index, self.cfg.num_moe_experts, self.ep, self.unsorted_dispatch)
