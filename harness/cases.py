@@ -13,7 +13,8 @@ starts from another case and deep-merges this file's mappings over it)::
     baseline: {name, pipeline_model_parallel_layout, pipeline_model_parallel_size, options}
     trainer: reference               # or megatron-core (harness.trainers); a variant may set its own
     cross_implementation: {variant: pp1, step: 0, max_ulp: 16}   # optional: that run again by the other
-                                     # trainer, from the same weights and data, compared in ULPs (harness.crossimpl)
+                                     # trainer, from the same weights and data, compared in ULPs (harness.crossimpl;
+                                     # both in params_dtype: float32 by default)
     variants:
       - name: ...
         pipeline_model_parallel_layout: "Et*3|(tt|)*29,m|L"
@@ -279,8 +280,9 @@ def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: l
         return
     if x.step >= run.config.training.train_iters:
         raise UsageError(f"{where}: step {x.step} >= train_iters {run.config.training.train_iters} of {name!r}")
-    other = run.config.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
-    problem = trainers.problem(other)
+    mine = run.config.model_copy(update={"params_dtype": x.params_dtype})
+    other = mine.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
+    problem = trainers.problem(mine) or trainers.problem(other)
     if problem:
         raise UsageError(f"{where}: variant {name!r} cannot run on the other trainer: {problem}")
 

@@ -124,7 +124,9 @@ def _verify(args, argv) -> int:
         result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
                         launcher=args.launcher, evidence_all=args.evidence)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
-    print(f"{plan.name}: {n_pass}/{len(result.variants)} pass in {result.elapsed_s:.1f} s; "
+    cross = result.cross_implementation
+    cross_words = f", cross-implementation {cross['verdict']}" if cross else ""
+    print(f"{plan.name}: {n_pass}/{len(result.variants)} pass{cross_words} in {result.elapsed_s:.1f} s; "
           f"report: {Path(args.out) / plan.name / 'index.html'}")
     return 0 if result.all_pass else 1
 

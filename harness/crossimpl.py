@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,6 +45,10 @@ class CrossImplementationSpec(BaseModel):
     variant: Optional[str] = None      # the run to repeat with the other trainer (default: the baseline)
     step: int = Field(0, ge=0)         # the step whose gradients and parameters are dumped and compared
     max_ulp: int = Field(16, ge=0)     # bound on loss ULPs and on gradient ULPs at each tensor's scale
+    # both runs in this dtype, whatever the case trains in: in bf16 two correct implementations round
+    # activations at different places (e.g. before or after a norm's weight), so a ULP bound would measure
+    # where each casts, not whether they compute the same function
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 def other_trainer(trainer: str) -> str:
@@ -163,9 +167,11 @@ def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: floa
     parameter's gradient and updated value at ``spec.step``, and compare them (`compare`).  Returns the record
     (``verdict`` pass / fail / error, ``reason``, per-loss and per-tensor rows, ``headline``)."""
     first, second = cfg.trainer, other_trainer(cfg.trainer)
-    base = {"trainers": [first, second], "variant": spec.variant, "step": spec.step, "max_ulp": spec.max_ulp}
+    cfg = cfg.model_copy(update={"params_dtype": spec.params_dtype})
+    base = {"trainers": [first, second], "variant": spec.variant, "step": spec.step, "max_ulp": spec.max_ulp,
+            "params_dtype": spec.params_dtype, "device": cfg.device}
     try:
-        progress(f"[cross-implementation] {first} vs {second} at step {spec.step} ...")
+        progress(f"[cross-implementation] {first} vs {second} at step {spec.step} ({spec.params_dtype}) ...")
         a, ta, ea = _run(cfg, spec.step, work / first, timeout, launcher)
         b, tb, eb = _run(cfg.model_copy(update={"trainer": second, "inject": None}), spec.step,
                          work / second, timeout, launcher)
