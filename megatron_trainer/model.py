@@ -36,7 +36,7 @@ def transformer_config(cfg: RunConfig):
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    m, t, par = cfg.model, cfg.training, cfg.parallel
+    m, par = cfg.model, cfg.parallel
     bf16 = cfg.params_dtype == "bfloat16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     virtual = _virtual_size(cfg)

@@ -13,7 +13,6 @@ rank before anything is built.
 from __future__ import annotations
 
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -81,10 +80,8 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
 
 
 def main(argv: list[str] | None = None) -> None:
-    """torchrun entry: ``python -m megatron_trainer.worker CONFIG.json RUN_DIR``; dies with the torchrun agent."""
-    process.die_with_parent(process.PARENT_AT_IMPORT)
-    cfg_path, run_dir = (argv if argv is not None else sys.argv[1:])[:2]
-    rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), Path(cfg_path).read_text(), run_dir, None)
+    """torchrun entry: ``python -m megatron_trainer.worker CONFIG.json RUN_DIR`` (`trainerkit.process.torchrun_main`)."""
+    process.torchrun_main(rank_main, argv)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ No process outlives the harness (`trainerkit.process`: the lifecycle every train
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from trainerkit import process
@@ -52,10 +51,8 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
 
 
 def main(argv: list[str] | None = None) -> None:
-    """torchrun entry: ``python -m reference_impl.worker CONFIG.json RUN_DIR``; dies with the torchrun agent."""
-    process.die_with_parent(process.PARENT_AT_IMPORT)
-    cfg_path, run_dir = (argv if argv is not None else sys.argv[1:])[:2]
-    rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), Path(cfg_path).read_text(), run_dir, None)
+    """torchrun entry: ``python -m reference_impl.worker CONFIG.json RUN_DIR`` (`trainerkit.process.torchrun_main`)."""
+    process.torchrun_main(rank_main, argv)
 
 
 if __name__ == "__main__":

@@ -94,3 +94,12 @@ def launch(worker: str, *args) -> None:
     the forkserver this is a dictionary lookup."""
     import importlib
     importlib.import_module(worker).rank_main(*args)
+
+
+def torchrun_main(rank_main, argv: list[str] | None = None) -> None:
+    """A worker's torchrun entry (``python -m <worker> CONFIG.json RUN_DIR``): die with the torchrun agent, take
+    rank and world size from the environment (RANK, WORLD_SIZE; LOCAL_RANK picks the GPU), run
+    ``rank_main(rank, world, config_json, run_dir, None)`` (None: rendezvous through env://)."""
+    die_with_parent(PARENT_AT_IMPORT)
+    cfg_path, run_dir = (argv if argv is not None else sys.argv[1:])[:2]
+    rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), Path(cfg_path).read_text(), run_dir, None)
