@@ -16,6 +16,7 @@ case's data and reads what it computed:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -94,20 +95,36 @@ def _forward_step(recorder: LossRecorder, data_iterator, model):
     return output, partial(recorder.loss_func, mask)
 
 
-def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, started: float | None = None) -> None:
-    """Run ``cfg.training.train_iters`` steps of megatron-core on pipeline rank `rank` (world = P; torch
-    distributed already initialised), writing the rank trace to `trace_path`.  `started`: the rank's
-    ``time.perf_counter()`` at process entry; the header's ``setup_s`` counts from there to the first step
-    (process group, parallel state, model build and init, DDP, optimizer)."""
-    started = time.perf_counter() if started is None else started
+@dataclass
+class MegatronRank:
+    """One rank's megatron objects and their bookkeeping: ``chunks`` (GPTModel per virtual stage), ``model``
+    (their DDP wrappers), ``optimizer`` / ``scheduler``, ``params`` under global names with their trace
+    ``keys``, ``masters`` ({id(param): fp32 master} in bf16), ``decay`` ({id(param): weight decay on})."""
+
+    config: object
+    chunks: list
+    model: list
+    optimizer: object
+    scheduler: object
+    params: list
+    keys: list
+    masters: dict
+    decay: dict
+
+    def values(self) -> list:
+        """What the optimizer updates, per parameter: the fp32 master in bf16, the parameter itself in fp32."""
+        return [self.masters.get(id(gp.param), gp.param) for gp in self.params]
+
+
+def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
+    """Megatron's parallel state (TP = 1, P and V from the layout, Megatron-LM's embedding group), the model
+    chunks re-initialised by global name, DDP (fp32 grad buffers: ``main_grad``), ``get_megatron_optimizer``
+    (Adam) and an ``OptimizerParamScheduler`` at constant lr and weight decay."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    import megatron.core
-    megatron_version = megatron.core.__version__
     t, m = cfg.training, cfg.model
     config = transformer_config(cfg)
     ps.initialize_model_parallel(1, cfg.parallel.pipeline_model_parallel_size,
@@ -141,60 +158,79 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
         wd_incr_style="constant")
     config.finalize_model_grads_func = faults.finalize(cfg.inject, finalize_model_grads)
     config.grad_scale_func = optimizer.scale_loss
+    masters = _master_params(optimizer)
+    decay = _weight_decay_groups(optimizer)          # keyed by what the optimizer updates: the master in bf16
+    return MegatronRank(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
+                        params=params, keys=[names.replica_key(gp.name, gp.replica) for gp in params],
+                        masters=masters,
+                        decay={id(gp.param): decay[id(masters.get(id(gp.param), gp.param))] for gp in params})
+
+
+def header(cfg: RunConfig, rank: int, device: torch.device, r: MegatronRank, setup_s: float) -> dict:
+    """The trace header record (TRACE_FORMAT.md) of pipeline rank `rank`."""
+    import megatron.core
+
+    return {"type": "header", "format": FORMAT, "rank": rank, "world_size": dist.get_world_size(),
+            "pp_rank": rank, "ep_rank": 0, "expert_model_parallel_size": 1,
+            "stages": [vp * cfg.parallel.pipeline_model_parallel_size + rank for vp in range(len(r.chunks))],
+            "params": [{"key": k, "name": gp.name, "replica": gp.replica, "shape": list(gp.param.shape),
+                        "dtype": str(gp.param.dtype).replace("torch.", ""), "family": names.family(gp.name),
+                        "weight_decay": r.decay[id(gp.param)], "order": list(names.order_key(gp.name))}
+                       for k, gp in zip(r.keys, r.params)],
+            "reductions": "megatron", "device": str(device), "params_dtype": cfg.params_dtype,
+            "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
+            "setup_s": setup_s,
+            "settings": {"overlap_p2p_comm": r.config.overlap_p2p_comm, "batch_p2p_comm": r.config.batch_p2p_comm,
+                         "megatron_core": megatron.core.__version__, "compat_not_needed": dict(compat.NOT_NEEDED)}}
+
+
+def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, started: float | None = None) -> None:
+    """Run ``cfg.training.train_iters`` steps of megatron-core on pipeline rank `rank` (world = P; torch
+    distributed already initialised), writing the rank trace to `trace_path`.  `started`: the rank's
+    ``time.perf_counter()`` at process entry; the header's ``setup_s`` counts from there to the first step
+    (process group, parallel state, model build and init, DDP, optimizer)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    started = time.perf_counter() if started is None else started
+    t, m = cfg.training, cfg.model
+    r = build(cfg, device)
     recorder = LossRecorder()
     _record_mtp_losses(recorder)
     forward_backward = get_forward_backward_func()
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, m.vocab_size)
-    virtual = len(chunks)
-
-    keys = [names.replica_key(gp.name, gp.replica) for gp in params]
-    masters = _master_params(optimizer)
-    decay = _weight_decay_groups(optimizer)          # keyed by what the optimizer updates: the master in bf16
-    decay = {id(gp.param): decay[id(masters.get(id(gp.param), gp.param))] for gp in params}
-    header = {"type": "header", "format": FORMAT, "rank": rank, "world_size": dist.get_world_size(),
-              "pp_rank": rank, "ep_rank": 0, "expert_model_parallel_size": 1,
-              "stages": [vp * cfg.parallel.pipeline_model_parallel_size + rank for vp in range(virtual)],
-              "params": [{"key": k, "name": gp.name, "replica": gp.replica, "shape": list(gp.param.shape),
-                          "dtype": str(gp.param.dtype).replace("torch.", ""), "family": names.family(gp.name),
-                          "weight_decay": decay[id(gp.param)], "order": list(names.order_key(gp.name))}
-                         for k, gp in zip(keys, params)],
-              "reductions": "megatron", "device": str(device), "params_dtype": cfg.params_dtype,
-              "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
-              "setup_s": time.perf_counter() - started,
-              "settings": {"overlap_p2p_comm": config.overlap_p2p_comm, "batch_p2p_comm": config.batch_p2p_comm,
-                           "megatron_core": megatron_version, "compat_not_needed": dict(compat.NOT_NEEDED)}}
+    buffers = expert_biases(r.chunks)
     writer = TraceWriter(trace_path)
-    writer.write(header)
-    writer.write({"type": "init", "params": _fingerprints(cfg, [masters.get(id(gp.param), gp.param) for gp in params], keys)})
-    buffers = expert_biases(chunks)
+    writer.write(header(cfg, rank, device, r, time.perf_counter() - started))
+    writer.write({"type": "init", "params": _fingerprints(cfg, r.values(), r.keys)})
     for step in range(t.train_iters):
         start = time.perf_counter()
-        for mm in model:
-            mm.zero_grad_buffer()
-        optimizer.zero_grad()
-        iterators = [_batches(data, step, t.num_microbatches, device) for _ in range(virtual)]
+        for chunk in r.model:
+            chunk.zero_grad_buffer()
+        r.optimizer.zero_grad()
+        iterators = [_batches(data, step, t.num_microbatches, device) for _ in r.chunks]
         forward_backward(forward_step_func=partial(_forward_step, recorder),
-                         data_iterator=iterators if virtual > 1 else iterators[0], model=model,
+                         data_iterator=iterators if len(iterators) > 1 else iterators[0], model=r.model,
                          num_microbatches=t.num_microbatches, seq_length=t.seq_length,
                          micro_batch_size=t.micro_batch_size, forward_only=False)
-        grads = _fingerprints(cfg, [gp.param.main_grad for gp in params], keys)
+        main_grads = [gp.param.main_grad for gp in r.params]
+        record = {"type": "step", "step": step, "grads": _fingerprints(cfg, main_grads, r.keys), "grad_norm": None,
+                  "clip_coeff": None, "clipped": None}
         dumping = cfg.dump is not None and cfg.dump.step == step
-        dump = _dump(cfg, keys, [gp.param.main_grad for gp in params], "grad") if dumping else {}
-        ok, norm, _ = optimizer.step()
+        dump = _dump(cfg, r.keys, main_grads, "grad") if dumping else {}
+        ok, norm, _ = r.optimizer.step()
         if not ok:
             raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (inf/nan in the gradients)")
-        scheduler.step(increment=1)
-        record = {"type": "step", "step": step, "grads": grads, "grad_norm": None, "clip_coeff": None,
-                  "clipped": None}
+        r.scheduler.step(increment=1)
         if t.clip_grad > 0:
             # clip_grads.clip_grad_by_total_norm_fp32's coefficient, in the same float64 arithmetic
             coeff = t.clip_grad / (norm + 1.0e-6)
             record.update(grad_norm=scalar(torch.tensor(norm, dtype=torch.float64)),
                           clip_coeff=scalar(torch.tensor(coeff, dtype=torch.float64)), clipped=coeff < 1.0)
-        values = [masters.get(id(gp.param), gp.param) for gp in params]
-        record["params"] = _fingerprints(cfg, values, keys)
+        values = r.values()
+        record["params"] = _fingerprints(cfg, values, r.keys)
         if dumping:
-            dump.update(_dump(cfg, keys, values, "param"))
+            dump.update(_dump(cfg, r.keys, values, "param"))
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         record["buffers"] = dict(zip(buffers, fingerprint_hex_many(list(buffers.values())))) if buffers else {}
         if ps.is_pipeline_last_stage(ignore_virtual=True):
