@@ -404,6 +404,7 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         + (f", {counts['fail']} fail" if counts["fail"] else "")
         + (f", {counts['error']} error" if counts["error"] else "")
         + f" · baseline {_md_cell(result.baseline)}"          # not a code span: escapes show literally there
+        + "".join(f" · trainer {_md_cell(t)}" for t in sorted({v.trainer for v in result.variants} - {"reference"}))
         + f" · {format_elapsed(result.elapsed_s)}",
         "",
         "| variant | layout | P | V | reductions | clip | expect | verdict | first divergence |",
