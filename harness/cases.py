@@ -262,8 +262,22 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
         only = keep
     runs = [_plan(path, spec, spec.baseline, True, inject)]
     runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]
+    _check_resume_trainers(path, spec)
     _check_cross_implementation(path, spec, runs, names)
     return CasePlan(name=case_name, path=path, spec=spec, runs=runs)
+
+
+def _check_resume_trainers(path: Path, spec: CaseSpec) -> None:
+    """Checkpoints are the reference trainer's: a megatron-core run can neither resume nor be resumed from
+    (the harness adds both to the run configs after planning, so `trainers.problem` cannot see them)."""
+    trainer = {v.name: v.trainer or spec.trainer for v in [spec.baseline] + spec.variants}
+    for v in spec.variants:
+        if v.resume is None:
+            continue
+        for who, name in (("variant", v.name), ("resume.variant", v.resume.variant)):
+            if trainer.get(name, "reference") != "reference":
+                raise UsageError(f"{path}: variant {v.name!r}: {who} {name!r} runs on trainer {trainer[name]}, which "
+                                 "does not checkpoint or resume (a reference-trainer feature)")
 
 
 def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: list) -> None:
@@ -280,6 +294,10 @@ def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: l
         return
     if x.step >= run.config.training.train_iters:
         raise UsageError(f"{where}: step {x.step} >= train_iters {run.config.training.train_iters} of {name!r}")
+    if x.step != 0:
+        raise UsageError(f"{where}: step {x.step}: only step 0 starts both trainers from identical weights; after "
+                         "one update they already differ (Adam turns a few ULP of gradient into up to a whole lr), so "
+                         "a later step's gradients are taken at other weights and the ULP bound means nothing")
     mine = run.config.model_copy(update={"params_dtype": x.params_dtype})
     other = mine.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
     problem = trainers.problem(mine) or trainers.problem(other)

@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import bounds
+from . import bounds, trainers
 from .errors import UsageError
 
 
@@ -143,11 +143,18 @@ def _fuzz(args, argv) -> int:
     if not (1 <= args.max_pp <= bounds.MAX_WORLD_SIZE and 1 <= args.max_vpp <= 64):
         raise UsageError(f"--max-pp must be in 1..{bounds.MAX_WORLD_SIZE} (rank processes on this machine) and "
                          "--max-vpp in 1..64")
-    try:
-        faults.check(args.inject)
-    except faults.FaultError as e:
-        raise UsageError(str(e)) from None
     plan = load_case(args.case, overrides={"training": {"reductions": args.reductions}} if args.reductions else None)
+    if args.inject is not None:                 # a fault of the case's trainer
+        base = plan.runs[0].config
+        if base.trainer == "reference":
+            try:
+                faults.check(args.inject)
+            except faults.FaultError as e:
+                raise UsageError(str(e)) from None
+        else:
+            problem = trainers.problem(base.model_copy(update={"inject": args.inject}))
+            if problem:
+                raise UsageError(f"--inject {args.inject}: {problem}")
     out = Path(args.out)
     with _out_errors(args.out):
         res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp)

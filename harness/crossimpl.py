@@ -43,8 +43,10 @@ class CrossImplementationSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     variant: Optional[str] = None      # the run to repeat with the other trainer (default: the baseline)
-    step: int = Field(0, ge=0)         # the step whose gradients and parameters are dumped and compared
-    max_ulp: int = Field(16, ge=0)     # bound on loss ULPs and on gradient ULPs at each tensor's scale
+    # the step whose gradients and parameters are dumped and compared: 0, the only step both trainers start
+    # from identical weights (harness.cases refuses others, saying why)
+    step: int = Field(0, ge=0)
+    max_ulp: int = Field(16, ge=0, le=1 << 30)   # bound on loss ULPs and on gradient ULPs at each tensor's scale
     # both runs in this dtype, whatever the case trains in: in bf16 two correct implementations round
     # activations at different places (e.g. before or after a norm's weight), so a ULP bound would measure
     # where each casts, not whether they compute the same function

@@ -246,6 +246,7 @@ def summary_dict(result: CaseResult) -> dict:
                                          "max_abs_err": float, "max_rel_err": float,
                                          "nan_mismatch": int}],
                        "evidence_error": str}],
+         "all_pass": bool (every variant and the cross-implementation check passed: exit code 0),
          "cross_implementation": None | {"verdict": "pass"|"fail"|"error", "reason": str,
                                          "trainers": [str, str], "variant": str|None, "step": int,
                                          "max_ulp": int, "headline": {...}, "losses": [...],
@@ -304,6 +305,7 @@ def summary_dict(result: CaseResult) -> dict:
         "baseline": str(result.baseline),
         "elapsed_s": _finite_or_none(result.elapsed_s) or 0.0,
         "variants": variants,
+        "all_pass": bool(result.all_pass),
         "cross_implementation": _json_safe(dict(result.cross_implementation)) if result.cross_implementation else None,
         "environment": _json_safe(dict(result.environment or {})),
     }
@@ -314,7 +316,8 @@ def summary_dict(result: CaseResult) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 def junit_xml(result: CaseResult) -> str:
-    """JUnit XML: ``<testsuites>`` holding one ``<testsuite name=case>``, one ``<testcase>`` per variant.
+    """JUnit XML: ``<testsuites>`` holding one ``<testsuite name=case>``, one ``<testcase>`` per variant (and one
+    named ``cross-implementation`` when the case has that check).
 
     Each testcase has ``classname="bitparity.<case>"``, ``name=<variant>`` and ``time=<elapsed_s>``.
     A failing variant carries ``<failure message=reason>`` whose text is the first divergence, the
@@ -323,9 +326,10 @@ def junit_xml(result: CaseResult) -> str:
     and characters XML cannot represent are removed so the file always parses.
     """
     case = _clean_text(result.case)
-    n = len(result.variants)
-    failures = sum(v.verdict == "fail" for v in result.variants)
-    errors = sum(v.verdict == "error" for v in result.variants)
+    cross = result.cross_implementation
+    n = len(result.variants) + (cross is not None)
+    failures = sum(v.verdict == "fail" for v in result.variants) + (cross is not None and cross.get("verdict") == "fail")
+    errors = sum(v.verdict == "error" for v in result.variants) + (cross is not None and cross.get("verdict") == "error")
     total_time = f"{_finite_or_none(result.elapsed_s) or 0.0:.3f}"
     counts = {"tests": str(n), "failures": str(failures), "errors": str(errors), "skipped": "0",
               "time": total_time}
@@ -358,6 +362,16 @@ def junit_xml(result: CaseResult) -> str:
         else:
             out = ET.SubElement(tc, "system-out")
             out.text = _clean_text(v.reason or "pass")
+    if cross is not None:       # one more testcase: the cross-implementation check (harness.crossimpl)
+        tc = ET.SubElement(suite, "testcase", {"classname": f"bitparity.{case}", "name": "cross-implementation",
+                                               "time": f"{sum((cross.get('elapsed_s') or {}).values()):.3f}"})
+        reason = _clean_text(cross.get("reason") or "")
+        if cross.get("verdict") == "fail":
+            ET.SubElement(tc, "failure", {"message": reason, "type": "CrossImplementationMismatch"}).text = reason
+        elif cross.get("verdict") == "error":
+            ET.SubElement(tc, "error", {"message": reason, "type": "RunError"}).text = reason
+        else:
+            ET.SubElement(tc, "system-out").text = reason
     ET.indent(root)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 

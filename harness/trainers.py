@@ -54,6 +54,13 @@ def problem(config: RunConfig, inject_known: bool = True) -> Optional[str]:
     if version is None:
         return ("trainer megatron-core: megatron-core is not installed; install the extra with "
                 "`pip install -e '.[megatron]'` (or run `make verify-megatron`)")
+    try:
+        with warnings.catch_warnings():     # megatron warns on import that TE / Apex are missing: not our line
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401  (distribution metadata can outlive a broken install)
+    except ImportError as e:
+        return (f"trainer megatron-core: megatron-core {version} is installed but cannot be imported ({e}); "
+                "reinstall it (`pip install -e '.[megatron]'`) or fix its dependencies")
     from megatron_trainer import compat, faults
 
     if config.device == "cpu" and not compat.version_checked(version) and not compat.unchecked_allowed():
@@ -61,7 +68,7 @@ def problem(config: RunConfig, inject_known: bool = True) -> Optional[str]:
     t, par = config.training, config.parallel
     if config.device == "cpu" and config.params_dtype != "float32":
         return ("trainer megatron-core: params_dtype bfloat16 on CPU is not run (megatron's bf16 optimizer checks "
-                "for CUDA tensor types); use float32 on CPU, bfloat16 on CUDA")
+                "for CUDA tensor types); use float32 on CPU (`--params-dtype float32`), bfloat16 on CUDA")
     if t.reductions != "megatron":
         return "trainer megatron-core: reductions: canonical is the reference trainer's mode; megatron-core runs its own"
     if par.expert_model_parallel_size > 1:

@@ -338,6 +338,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     cross = None
     spec = plan.spec.cross_implementation
     chosen = next((r for r in plan.runs if spec and r.spec.name == (spec.variant or base_name)), None)
+    if spec and chosen is None:
+        progress(f"[cross-implementation] skipped: variant {spec.variant or base_name!r} is not among the runs (--only)")
     if chosen is not None:
         cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", timeout, launcher, progress)
         (work / "cross-implementation" / "cross_implementation.json").write_text(json.dumps(cross, indent=1))

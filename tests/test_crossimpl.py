@@ -93,3 +93,34 @@ def test_a_bug_the_same_on_every_layout_is_caught_only_by_the_other_implementati
     assert x["first_beyond_bound"]["what"] == "grad"
     assert x["headline"]["loss_max_ulp"] <= 16      # the loss values are right; the objective's scale is not
     assert proc.returncode == 1
+
+
+def test_cross_implementation_step_other_than_0_is_refused(tmp_path):
+    """Only step 0 starts both trainers from identical weights: a later step is one line, exit 2."""
+    pytest.importorskip("megatron.core")
+    case = _case(tmp_path, None)
+    case.write_text(case.read_text().replace("step: 0", "step: 1"))
+    proc = subprocess.run([sys.executable, "-m", "harness", "verify", str(case), "--out", str(tmp_path / "rep")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "step 1" in proc.stderr and "identical weights" in proc.stderr
+    assert not (tmp_path / "rep" / "xi").exists()
+
+
+def test_a_failed_cross_implementation_run_still_writes_the_report(tmp_path):
+    """The cross-implementation pair errors (here: the other trainer's run cannot start); the variants' report is
+    written all the same, with the check as an error: in summary.json, junit.xml and the HTML; exit code 1."""
+    from harness.crossimpl import CrossImplementationSpec
+    from harness.report import junit_xml, render_html, summary_dict
+    from harness.results import CaseResult
+
+    rec = {"trainers": ["megatron-core", "reference"], "variant": "pp2", "step": 0, "max_ulp": 16,
+           "params_dtype": "float32", "device": "cpu", "verdict": "error", "reason": "reference run failed: boom"}
+    result = CaseResult(case="xi", case_path="xi.yaml", baseline="pp2", variants=[], elapsed_s=1.0, environment={},
+                        command="bitparity verify xi.yaml", cross_implementation=rec)
+    assert not result.all_pass
+    assert summary_dict(result)["cross_implementation"]["verdict"] == "error"
+    assert summary_dict(result)["all_pass"] is False
+    assert 'name="cross-implementation"' in junit_xml(result) and 'errors="1"' in junit_xml(result)
+    assert "reference run failed: boom" in render_html(result)
+    assert CrossImplementationSpec().step == 0

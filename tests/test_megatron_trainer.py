@@ -375,6 +375,8 @@ BAD = {
     "overlap": ("overlap_moe_expert_parallel_comm: true",
                 ["megatron-core rejects this run", "overlap_moe_expert_parallel_comm", "expert model parallelism"]),
     "reference-fault": ("inject: grad_bit_flip", ["unknown fault 'grad_bit_flip'", "skip_mtp_embedding_sync"]),
+    # checkpoints are added by the harness after planning: refused while planning all the same
+    "resume": ("resume: {variant: pp2-vpp2-mtp-with-loss, after_step: 0}", ["does not checkpoint or resume"]),
 }
 
 
@@ -387,3 +389,11 @@ def test_unsupported_runs_are_one_line_usage_errors(tmp_path, what):
     out = tmp_path / "reports"
     _check_usage_error(run_cli("verify", case, "--out", out), out, str(case), "variant 'bad'",
                        "megatron-core", *fragments)
+
+
+def test_fuzz_plants_only_the_megatron_trainers_faults(tmp_path):
+    """`bitparity fuzz --inject` on a megatron-core case knows the megatron trainer's faults, not the reference's
+    (a reference fault there would be ignored by every run: 'no layout differed')."""
+    out = tmp_path / "fz"
+    _check_usage_error(run_cli("fuzz", CASE, "--inject", "grad_bit_flip", "--budget", "5s", "--out", out), out,
+                       "--inject grad_bit_flip", "unknown fault 'grad_bit_flip'", "skip_mtp_embedding_sync")
