@@ -117,8 +117,14 @@ def _ulp(a_hex: str, b_hex: str) -> Optional[int]:
         return None
 
 
-def _ulp_words(ulp: Optional[int]) -> str:
-    return f" ({ulp} ulp)" if ulp is not None else ""
+def _bits(a_hex: str) -> int:
+    """Width in bits of a ``0x…`` bit pattern (8 hex digits: fp32; 16: float64)."""
+    return 4 * (len(a_hex) - 2)
+
+
+def _ulp_words(ulp: Optional[int], a_hex: str = "") -> str:
+    wide = " float64" if ulp is not None and _bits(a_hex) == 64 else ""
+    return f" ({ulp}{wide} ulp)" if ulp is not None else ""
 
 
 def compare(base: Trace, other: Trace) -> Comparison:
@@ -146,7 +152,8 @@ def compare(base: Trace, other: Trace) -> Comparison:
             if first is None:
                 ulp = _ulp(b["hex"], o["hex"])
                 first = FirstDivergence(bs.step, "loss", mb, name,
-                                        f"{name}: reference {b['hex']} vs {o['hex']}{_ulp_words(ulp)}", ulp=ulp)
+                                        f"{name}: reference {b['hex']} vs {o['hex']}{_ulp_words(ulp, b['hex'])}",
+                                        ulp=ulp, ulp_bits=_bits(b["hex"]) if ulp is not None else None)
         norm_ulps.append(None)
         for kind, b_map, o_map in (("grad", bs.grads, os_.grads), ("param", bs.params, os_.params)):
             if kind == "param" and bs.grad_norm and os_.grad_norm:
@@ -154,7 +161,8 @@ def compare(base: Trace, other: Trace) -> Comparison:
                 norm_ulps[-1] = _ulp(bh, oh)
                 if bh != oh and first is None:
                     first = FirstDivergence(bs.step, "grad_norm", None, "grad norm",
-                                            f"grad norm {bh} vs {oh}{_ulp_words(norm_ulps[-1])}", ulp=norm_ulps[-1])
+                                            f"grad norm {bh} vs {oh}{_ulp_words(norm_ulps[-1], bh)}",
+                                            ulp=norm_ulps[-1], ulp_bits=_bits(bh) if norm_ulps[-1] is not None else None)
             per_family = dict.fromkeys(FAMILIES, 0)
             for k in keys:
                 if b_map.get(k) != o_map.get(k):

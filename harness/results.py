@@ -35,6 +35,7 @@ class FirstDivergence:
     name: str
     detail: str = ""
     ulp: Optional[int] = None      # loss / grad_norm: ULP distance of the two bit patterns, else None
+    ulp_bits: Optional[int] = None  # their width (32; 64 for megatron-core's float64 grad norm), with `ulp`
 
 
 @dataclass

@@ -204,11 +204,13 @@ def _allowed(want) -> str:
 
 
 def _where_words(fd) -> str:
-    """'grad norm, step 1, 1 ULP' / 'grad embedding.word_embeddings.weight, step 0'."""
+    """'grad norm, step 1, 1 ULP' / 'grad norm, step 1, 574215113 float64 ULP' (megatron-core's norm) /
+    'grad embedding.word_embeddings.weight, step 0'."""
     what = "grad norm" if fd.kind == "grad_norm" else f"{fd.kind} {fd.name}"
     if fd.microbatch is not None:
         what += f", microbatch {fd.microbatch}"
-    return f"{what}, step {fd.step}" + (f", {fd.ulp} ULP" if fd.ulp is not None else "")
+    wide = " float64" if getattr(fd, "ulp_bits", None) == 64 else ""
+    return f"{what}, step {fd.step}" + (f", {fd.ulp}{wide} ULP" if fd.ulp is not None else "")
 
 
 def _comparison_record(v: VariantResult) -> dict:
