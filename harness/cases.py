@@ -56,7 +56,6 @@ import re
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from reference_impl import faults
 from reference_impl.config import (MAX_GPUS, MAX_TIMEOUT_S, ModelConfig, ParallelConfig, RunConfig, TrainingConfig,
                                    check_expert_parallel, overlap_problem)
 from reference_impl.data import DataError, TokenDataset
@@ -392,11 +391,6 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         raise UsageError(f"{where}: expert_model_parallel_size: {e}") from None
     fault = v.inject or (None if is_baseline else inject)
     trainer = v.trainer or spec.trainer
-    if trainer == "reference":
-        try:
-            faults.check(fault)
-        except faults.FaultError as e:
-            raise UsageError(f"{where}: {e}") from None
     config = RunConfig(model=spec.model, training=training, inject=fault, device=spec.device,
                        params_dtype=spec.params_dtype or ("bfloat16" if spec.device == "cuda" else "float32"),
                        num_gpus=spec.num_gpus, capture=spec.capture, parallel=parallel, trainer=trainer)

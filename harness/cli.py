@@ -132,8 +132,6 @@ def _verify(args, argv) -> int:
 
 
 def _fuzz(args, argv) -> int:
-    from reference_impl import faults
-
     from .cases import load_case
     from .fuzz import fuzz, parse_budget
     from .verify import verify
@@ -145,16 +143,9 @@ def _fuzz(args, argv) -> int:
                          "--max-vpp in 1..64")
     plan = load_case(args.case, overrides={"training": {"reductions": args.reductions}} if args.reductions else None)
     if args.inject is not None:                 # a fault of the case's trainer
-        base = plan.runs[0].config
-        if base.trainer == "reference":
-            try:
-                faults.check(args.inject)
-            except faults.FaultError as e:
-                raise UsageError(str(e)) from None
-        else:
-            problem = trainers.problem(base.model_copy(update={"inject": args.inject}))
-            if problem:
-                raise UsageError(f"--inject {args.inject}: {problem}")
+        problem = trainers.problem(plan.runs[0].config.model_copy(update={"inject": args.inject}))
+        if problem:
+            raise UsageError(f"--inject {args.inject}: {problem}")
     out = Path(args.out)
     with _out_errors(args.out):
         res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp)

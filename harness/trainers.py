@@ -14,9 +14,6 @@ from typing import Optional
 
 from reference_impl.config import RunConfig
 
-TRAINERS = ("reference", "megatron-core")
-
-
 def megatron_version() -> Optional[str]:
     """The installed megatron-core's version (distribution metadata: no import), or None."""
     try:
@@ -32,16 +29,17 @@ def versions(config: RunConfig) -> dict:
     if config.trainer != "megatron-core":
         return {"trainer": config.trainer}
     from megatron_trainer import compat
-    return {"trainer": config.trainer, "megatron_core": megatron_version(), "megatron_compat": compat.VERSION,
+    version = megatron_version()
+    return {"trainer": config.trainer, "megatron_core": version, "megatron_compat": compat.VERSION,
             "megatron_compat_points": list(compat.points(config.device)),
             "megatron_compat_checked_versions": list(compat.SUPPORTED),
-            "megatron_version_checked": compat.version_checked(megatron_version() or "")}
+            "megatron_version_checked": compat.version_checked(version or "")}
 
 
-def problem(config: RunConfig, inject_known: bool = True) -> Optional[str]:
+def problem(config: RunConfig) -> Optional[str]:
     """Why `config` cannot run on its trainer, in one line (None when it can).
 
-    megatron-core: the extra must be installed (and, on CPU, be a version the compat layer was checked
+    reference: its planted fault (`config.inject`) must be one of `reference_impl.faults`.  megatron-core: the extra must be installed (and, on CPU, be a version the compat layer was checked
     against); reductions ``megatron`` only (``canonical`` is the reference's layout-invariant mode); EP = 1 (in
     megatron the EP ranks are carved out of data parallelism, so EP > 1 changes the global batch; bitparity's
     megatron trainer runs TP = CP = DP = 1); no activation capture, checkpoints or resume (the
@@ -49,6 +47,11 @@ def problem(config: RunConfig, inject_known: bool = True) -> Optional[str]:
     cannot share a GPU over NCCL); then megatron's own config validator.
     """
     if config.trainer == "reference":
+        from reference_impl import faults
+        try:
+            faults.check(config.inject)
+        except faults.FaultError as e:
+            return str(e)
         return None
     version = megatron_version()
     if version is None:

@@ -171,11 +171,6 @@ def apply(device_type: str = "cpu") -> tuple:
     from megatron.core.transformer import dot_product_attention as dpa
     from megatron.core.transformer import multi_latent_attention as mla
     from megatron.core.transformer.moe import moe_utils
-    from megatron.core.models.common.language_module import language_module
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.optimizer import clip_grads, optimizer
-    from megatron.core import utils as mutils
-    from megatron.core.transformer import utils as tutils
 
     if cpu and not version_checked(megatron.core.__version__) and not unchecked_allowed():
         raise CompatError(unchecked_message(megatron.core.__version__))
@@ -211,11 +206,22 @@ def apply(device_type: str = "cpu") -> tuple:
     if "3" in wanted and _needed(getattr(mla, "HAVE_TE", False) is True, "3",
                                  "multi_latent_attention.HAVE_TE is false without Transformer Engine"):
         mla.HAVE_TE = False
-    if not cpu:
-        if "7" in wanted:
-            _patch_te_general_gemm(moe_utils)
-        _applied = _still_needed(wanted)
-        return _applied
+    if cpu:
+        _cpu_plumbing()
+    elif "7" in wanted:
+        _patch_te_general_gemm(moe_utils)
+    _applied = tuple(p for p in wanted if p not in NOT_NEEDED)
+    return _applied
+
+
+def _cpu_plumbing() -> None:
+    """Points 4 to 8: CUDA plumbing a CPU rank has to do without."""
+    from megatron.core import utils as mutils
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils as tutils
+    from megatron.core.transformer.moe import moe_utils
 
     # 4. CUDA streams, events and synchronize: MoE alltoall dispatcher (moe/token_dispatcher.py: a side stream
     #    for device-to-host copies), p2p shape exchange (pipeline_parallel/p2p_communication.py), DDP's
@@ -253,21 +259,13 @@ def apply(device_type: str = "cpu") -> tuple:
     source = _source(clip)
     if not _needed("'torch.cuda.FloatTensor'" in source, "8",
                    "clip_grad_by_total_norm_fp32 no longer asserts 'torch.cuda.FloatTensor'"):
-        _applied = _still_needed(wanted)
-        return _applied
+        return
     _require(source.count("'torch.cuda.FloatTensor'") == 1 and getattr(optimizer, clip.__name__, None) is clip, "8",
              "clip_grad_by_total_norm_fp32 asserts the CUDA type more than once, or optimizer.py no longer uses it")
     namespace: dict = {}
     exec(compile(source.replace("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"), inspect.getsourcefile(clip),
                  "exec"), vars(clip_grads), namespace)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = namespace[clip.__name__]
-    _applied = _still_needed(wanted)
-    return _applied
-
-
-def _still_needed(wanted: tuple) -> tuple:
-    """`wanted` without the points megatron no longer needs (`NOT_NEEDED`)."""
-    return tuple(p for p in wanted if p not in NOT_NEEDED)
 
 
 def _patch_te_general_gemm(moe_utils) -> None:

@@ -28,7 +28,7 @@ from reference_impl.config import RunConfig
 from reference_impl.data import TokenDataset
 from reference_impl.init import init_parameters
 from trainerkit import names
-from trainerkit.capture import FORMAT, TraceWriter, scalar
+from trainerkit.capture import FORMAT, TraceWriter, dump_tensors, scalar
 from trainerkit.fingerprint import fingerprint_hex_many
 
 from . import compat, faults
@@ -217,7 +217,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
         record = {"type": "step", "step": step, "grads": _fingerprints(cfg, main_grads, r.keys), "grad_norm": None,
                   "clip_coeff": None, "clipped": None}
         dumping = cfg.dump is not None and cfg.dump.step == step
-        dump = _dump(cfg, r.keys, main_grads, "grad") if dumping else {}
+        dump = dump_tensors(cfg.dump, zip(r.keys, main_grads), "grad") if dumping else {}
         ok, norm, _ = r.optimizer.step()
         if not ok:
             raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (inf/nan in the gradients)")
@@ -230,7 +230,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
         values = r.values()
         record["params"] = _fingerprints(cfg, values, r.keys)
         if dumping:
-            dump.update(_dump(cfg, r.keys, values, "param"))
+            dump.update(dump_tensors(cfg.dump, zip(r.keys, values), "param"))
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         record["buffers"] = dict(zip(buffers, fingerprint_hex_many(list(buffers.values())))) if buffers else {}
         if ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -245,18 +245,6 @@ def _fingerprints(cfg: RunConfig, tensors: list, keys: list) -> dict:
     if cfg.capture == "losses":
         return {}
     return dict(zip(keys, fingerprint_hex_many(tensors)))
-
-
-def _dump(cfg: RunConfig, keys: list, tensors: list, prefix: str) -> dict:
-    """{prefix/key: CPU copy} of the dump keys this rank holds (`RunConfig.dump`), within max_bytes (the same
-    file layout as the reference trainer's, for `harness.evidence`)."""
-    out, used = {}, 0
-    for key, t in zip(keys, tensors):
-        size = t.numel() * t.element_size()
-        if cfg.dump.wants(key) and used + size <= cfg.dump.max_bytes:
-            out[f"{prefix}/{key}"] = t.detach().float().cpu().clone().contiguous()
-            used += size
-    return out
 
 
 def _master_params(optimizer) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 from trainerkit import process
@@ -64,7 +65,6 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     points = compat.apply(device.type)
     store = dist.FileStore(store_path, world_size) if store_path else None   # None: env:// (torchrun)
     kwargs = {"store": store} if store is not None else {}
-    from datetime import timedelta
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=cfg.rank_timeout_s), **kwargs)
     try:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from trainerkit import names
-from trainerkit.capture import FORMAT, TraceWriter, scalar
+from trainerkit.capture import FORMAT, TraceWriter, dump_tensors, scalar
 from trainerkit.fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
 
 from . import checkpoint, faults
@@ -110,13 +110,7 @@ class RankState:
 
     def dump_tensors(self, attr: str, prefix: str) -> dict:
         """{prefix/key: CPU copy} of the dump keys this rank holds (`RunConfig.dump`), within max_bytes."""
-        out, used = {}, 0
-        for key, _, _, p, _ in self.params:
-            t = getattr(p, attr)
-            if self.cfg.dump.wants(key) and used + t.numel() * t.element_size() <= self.cfg.dump.max_bytes:
-                out[f"{prefix}/{key}"] = t.detach().cpu().clone().contiguous()
-                used += t.numel() * t.element_size()
-        return out
+        return dump_tensors(self.cfg.dump, ((key, getattr(p, attr)) for key, _, _, p, _ in self.params), prefix)
 
     def named_buffers(self):
         """(global name, tensor) of the state buffers that persist across steps (router expert bias)."""

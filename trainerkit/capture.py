@@ -48,3 +48,16 @@ class TraceWriter:
     def close(self) -> None:
         """Close the file (records are already flushed)."""
         self._f.close()
+
+
+def dump_tensors(dump, items, prefix: str) -> dict:
+    """{prefix/key: CPU copy} of the (key, tensor) `items` that `dump` (a ``RunConfig.dump``: ``wants(key)``,
+    ``max_bytes``) asks for, in order, until ``max_bytes`` would be exceeded: one rank's share of
+    ``rank{r}.dump.safetensors`` (``grad/<key>``, ``param/<key>``; TRACE_FORMAT.md)."""
+    out, used = {}, 0
+    for key, t in items:
+        size = t.numel() * t.element_size()
+        if dump.wants(key) and used + size <= dump.max_bytes:
+            out[f"{prefix}/{key}"] = t.detach().cpu().clone().contiguous()
+            used += size
+    return out
