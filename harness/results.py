@@ -36,6 +36,9 @@ class FirstDivergence:
     detail: str = ""
     ulp: Optional[int] = None      # loss / grad_norm: ULP distance of the two bit patterns, else None
     ulp_bits: Optional[int] = None  # their width (32; 64 for megatron-core's float64 grad norm), with `ulp`
+    # the first difference in canonical parameter order when it is another tensor than this one (which is
+    # the first in dataflow order), one line like `detail`; None when both orders name the same tensor
+    canonical: Optional[str] = None
 
 
 @dataclass
@@ -104,6 +107,12 @@ class VariantResult:
     overlap: bool = False                         # overlap_moe_expert_parallel_comm (Megatron's 1F1B overlap)
     delay_wgrad: bool = False                     # delay_wgrad_compute
     outcome: Outcome | Literal[""] = ""           # what happened, in words (`harness.verify.judge`); "" unjudged
+    # differences outside the expected divergence's signature (`harness.signature`), one line each
+    # ("step 0 grad mtp.layers.0.eh_proj.weight"), at most 20 then "… and N more"; [] when none or not checked
+    outside_signature: list = field(default_factory=list)
+    # comparison with the golden trace (`harness.golden`, `verify --golden DIR`): {"status": "equal" | "differs"
+    # | "missing" | "other environment", "first_divergence": dict | None, "detail": str}; {} when not asked
+    golden: dict = field(default_factory=dict)
 
     @property
     def schedule(self) -> str:
@@ -126,6 +135,9 @@ class CaseResult:
     environment: dict                             # torch version, threads, python, platform, device
     command: str                                  # command line that reproduces the whole report
     cross_implementation: Optional[dict] = None   # harness.crossimpl's record, when the case asks for one
+    # `verify --golden DIR`: {"dir": str, "environment": "same" | one line naming what differs, "verdict":
+    # "pass" | "fail"}; None when not asked
+    golden: Optional[dict] = None
 
     @property
     def all_pass(self) -> bool:

@@ -18,7 +18,9 @@ STANDALONE = 'pipeline_model_parallel_layout: "Et|tt|tm|L", pipeline_model_paral
 COLOCATED = 'pipeline_model_parallel_layout: "Et|t|tt|mL", pipeline_model_parallel_size: 4'   # m0 L on pp3
 BASE = 'pipeline_model_parallel_layout: "Ett|ttmL", pipeline_model_parallel_size: 2'
 
-# clip_grad is on for every run so that the grad norm is traced and compared (grad_norm_counts_replica).
+# clip_grad is on for every run so that the grad norm is traced and compared (grad_norm_counts_replica). The
+# norm is a layout-dependent reduction (partial norms summed over the pp ranks): between P=2 and P=4 it may
+# differ in its last bit (seen with MKL_CBWR=COMPATIBLE), so `clean` allows exactly that.
 CASE = textwrap.dedent(f"""\
     name: faults
     timeout_s: 120
@@ -26,7 +28,7 @@ CASE = textwrap.dedent(f"""\
     training: {{train_iters: 2, seq_length: 16, num_microbatches: 4, clip_grad: 1.0}}
     baseline: {{name: base, {BASE}}}
     variants:
-      - {{name: clean, {STANDALONE}}}
+      - {{name: clean, {STANDALONE}, expect: may_diverge, first_divergence: {{kind: grad_norm}}}}
       - {{name: skip_final_norm_standalone, {STANDALONE}, inject: skip_final_norm_standalone}}
       - {{name: skip_final_norm_colocated, {BASE}, inject: skip_final_norm_standalone}}
       - {{name: double_final_norm_mtp, {STANDALONE}, inject: double_final_norm_mtp}}
