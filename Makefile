@@ -18,7 +18,15 @@ PORTABILITY_TESTS    ?= tests/test_reductions.py tests/test_expert_parallel.py t
                         tests/test_megatron_trainer.py tests/test_crossimpl.py tests/test_mla_convention.py
 PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml cases/megatron-dsv3.yaml
 
-.PHONY: verify verify-megatron test test-megatron test-portability bench bench-gpu fuzz venv clean
+# Goldens (harness.golden): the smoke case's bits, recorded and checked under the arithmetic meant to round
+# alike on every x86-64 CPU, so a change that moves every layout alike fails `make verify-golden` (CI).
+GOLDEN_ENV  ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
+GOLDEN_CASE ?= cases/smoke.yaml
+GOLDEN_DIR  ?= goldens/smoke
+# The long profile: the dsv3 layouts for LONG_ITERS steps (bugs that show only after a few updates)
+LONG_ITERS  ?= 8
+
+.PHONY: verify verify-megatron verify-golden golden verify-long test test-megatron test-portability bench bench-gpu fuzz venv clean
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -36,6 +44,18 @@ verify: $(STAMP)
 # PR #2136's validation on the real megatron-core (trainer: megatron-core; the `megatron` extra), on CPU/gloo
 verify-megatron: $(STAMP)
 	$(BIN)/bitparity verify cases/megatron-dsv3.yaml $(ARGS)
+
+# every run of GOLDEN_CASE bitwise equal to its golden (CI)
+verify-golden: $(STAMP)
+	env $(GOLDEN_ENV) $(BIN)/bitparity verify $(GOLDEN_CASE) --golden $(GOLDEN_DIR) --out reports/golden $(ARGS)
+
+# refresh the goldens after an intended change (review the diff of $(GOLDEN_DIR) before committing it)
+golden: $(STAMP)
+	env $(GOLDEN_ENV) $(BIN)/bitparity verify $(GOLDEN_CASE) --write-golden $(GOLDEN_DIR) --out reports/golden $(ARGS)
+
+# nightly: every dsv3 layout for LONG_ITERS steps (~25 min on 2 cores; ci-examples/nightly-long.yml)
+verify-long: $(STAMP)
+	$(BIN)/bitparity verify $(LAYOUTS) --train-iters $(LONG_ITERS) --out reports/long $(ARGS)
 
 # the suite without the megatron-core tests (< 10 min on 2 cores) ...
 test: $(STAMP)

@@ -29,6 +29,8 @@ starts from another case and deep-merges this file's mappings over it)::
                                      # (required) or diverge (optional); kinds: inventory, loss, grad, grad_norm,
                                      # param; max_ulp: N bounds a loss / grad_norm first divergence; a list
                                      # [{...}, {...}] allows any one of several places
+        signature: [{step: 0, kind: grad, name: ...}, {from_step: 1}]   # everything that may differ
+                                     # (harness.signature; default: derived from first_divergence)
 
     ``may_diverge`` is the honest statement about rounding: the run may be bitwise equal, and if it is not, its
     first divergence must be the one given (so nothing differs before it).  Use it wherever a difference
@@ -64,6 +66,7 @@ from reference_impl.schedule import ScheduleError, build_schedule, simulate
 
 from . import bounds
 from . import expectations
+from .signature import SignaturePlace
 from . import trainers
 from .crossimpl import CrossImplementationSpec, other_trainer
 from .errors import UsageError
@@ -126,6 +129,7 @@ class VariantSpec(_Strict):
     expect: Literal["bitwise", "may_diverge", "diverge"] = "bitwise"
     # one place, or a list of places any one of which may be the first divergence
     first_divergence: Optional[list[ExpectedDivergence]] = None
+    signature: Optional[list[SignaturePlace]] = None    # everything that may differ (harness.signature)
     inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
     compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
     repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
@@ -357,7 +361,7 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         training = TrainingConfig.model_validate({**spec.training.model_dump(), **v.options})
     except ValidationError as e:
         raise UsageError(f"{where}: options.{_loc(e)}") from None
-    expectations.check(where, v.expect, v.first_divergence, is_baseline, spec.model, training)
+    expectations.check(where, v.expect, v.first_divergence, is_baseline, spec.model, training, v.signature)
     if training.data != spec.training.data:
         try:
             TokenDataset(training.data, 0, training.seq_length, 1, spec.model.vocab_size)

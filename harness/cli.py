@@ -42,6 +42,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="fork: ranks forked from a torch-preloaded forkserver (default); torchrun: one "
                         "torchrun per run, rank/world from the environment, local rank r on cuda:r")
     v.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)   # test-only planted faults
+    g = v.add_mutually_exclusive_group()
+    g.add_argument("--golden", metavar="DIR", help="also compare every run with its golden trace in DIR "
+                   "(harness.golden; e.g. goldens/smoke); any differing bit fails")
+    g.add_argument("--write-golden", metavar="DIR", help="record the runs as goldens in DIR (only if every "
+                   "variant passes); refresh after an intended change with `make golden`")
+    v.add_argument("--train-iters", type=int, metavar="N", help="override the case's training.train_iters "
+                   "(e.g. 8 for the long profile, make verify-long)")
     fz = sub.add_parser("fuzz", help="random valid layouts of a case's model against its baseline; shrinks a failure")
     fz.add_argument("case")
     fz.add_argument("--budget", default="10m", help="time budget, e.g. 90s, 10m (default 10m)")
@@ -116,16 +123,28 @@ def _verify(args, argv) -> int:
     from .cases import load_case
     from .verify import verify
     from reference_impl.config import MAX_TIMEOUT_S
+    from . import golden
+    from .verify import GoldenRequest
     plan = load_case(args.case, only=args.only, inject=args.inject,
-                     overrides={"device": args.device, "num_gpus": args.num_gpus, "params_dtype": args.params_dtype})
+                     overrides={"device": args.device, "num_gpus": args.num_gpus, "params_dtype": args.params_dtype,
+                                "training": {"train_iters": args.train_iters} if args.train_iters is not None
+                                else None})
+    goldens = None
+    if args.golden:
+        goldens = GoldenRequest(Path(args.golden), False, golden.load_index(Path(args.golden), plan.name))
+    elif args.write_golden:
+        golden.check_writable(Path(args.write_golden))
+        goldens = GoldenRequest(Path(args.write_golden), True)
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
     with _out_errors(args.out):
         result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
-                        launcher=args.launcher, evidence_all=args.evidence)
+                        launcher=args.launcher, evidence_all=args.evidence, goldens=goldens)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
     cross = result.cross_implementation
     cross_words = f", cross-implementation {cross['verdict']}" if cross else ""
+    if result.golden:
+        cross_words += f", golden {result.golden['verdict']}"
     print(f"{plan.name}: {n_pass}/{len(result.variants)} pass{cross_words} in {result.elapsed_s:.1f} s; "
           f"report: {Path(args.out) / plan.name / 'index.html'}")
     return 0 if result.all_pass else 1

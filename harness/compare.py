@@ -4,11 +4,15 @@ Structural checks, before any number: the parameter inventory (`inventory_diff`:
 dtype, weight-decay group of every parameter) must equal the reference run's, else the first divergence is
 ``inventory`` at step 0; and, within each run, every replica must match its original (`replica_status`).
 
-Walk order (the order in which one training step produces its numbers): steps ascending; within a step,
-losses (microbatches ascending; lm then mtp_1..mtp_D; then the reported lm loss) before gradients (canonical
-parameter order) before the grad norm (when both runs clip) before parameters after the optimizer step
-(canonical order, then buffers such as the expert bias).  The first difference in that order is the first
-divergence.
+Walk order = dataflow order, the order in which one training step computes its numbers: steps ascending;
+within a step, losses (the forward: microbatches ascending; lm then mtp_1..mtp_D; then the reported lm loss)
+before gradients in *backward* order (the reverse of the canonical parameter order: output head, MTP depths
+from the last, final norm, decoder layers from the last, embedding; within a layer the MLP before the
+attention, routed experts before their router) before the grad norm (when both runs clip) before parameters
+after the optimizer step (canonical order, then buffers such as the expert bias).  The first difference in
+that order is the first divergence: the first tensor computed differently.  Gradients accumulate over all
+microbatches before they are captured, so within a step this is the layer where a backward difference
+starts; with ``capture: activations`` `harness.localise` goes down to one microbatch and one layer input.
 """
 from __future__ import annotations
 
@@ -30,6 +34,18 @@ class Comparison:
     family_mismatches: dict = field(default_factory=dict)
     inventory: list = field(default_factory=list)
     grad_norm_ulps: list = field(default_factory=list)   # per step: |ulp distance| or None
+    differences: list = field(default_factory=list)      # every `Difference`, in walk order
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One place where two runs differ: a loss (`name` lm / mtp_k, with its microbatch), a gradient or a
+    parameter / buffer after the update (`name` the trace key), the grad norm, an inventory entry."""
+
+    step: int
+    kind: str
+    name: str
+    microbatch: Optional[int] = None
 
 
 #: Inventory fields that must agree between two runs (besides presence): a different value trains a
@@ -130,6 +146,12 @@ def _ulp_words(ulp: Optional[int], a_hex: str = "") -> str:
 def compare(base: Trace, other: Trace) -> Comparison:
     """Compare `other` with `base` bit for bit (fingerprints and loss bits).
 
+    The first divergence is the first tensor *computed* differently (dataflow order, module docstring):
+    gradients in backward order, the reverse of the canonical order, so a difference that starts in one
+    layer is named there and not at the word embedding its consequences reach last.  When the first differing
+    gradient in canonical order is another tensor, `FirstDivergence.canonical` says so in one line.  Every
+    difference is listed in `Comparison.differences` (for `harness.signature`).
+
     An inventory difference (`inventory_diff`) is the first divergence, kind ``inventory`` at step 0, named
     after the first differing parameter: the runs do not train the same model.  The numbers are still
     compared for the keys both hold (for the mismatch counts).  Replica keys (``@mtp``) are compared when
@@ -138,10 +160,12 @@ def compare(base: Trace, other: Trace) -> Comparison:
     inventory = inventory_diff(base, other)
     keys = [k for k in base.order if k in other.params]
     families = {k: base.params[k]["family"] for k in keys}
+    diffs: list[Difference] = []
     first: Optional[FirstDivergence] = None
     if inventory:
         first = FirstDivergence(step=0, kind="inventory", microbatch=None, name=inventory[0].split(":")[0],
                                 detail=f"parameter inventory differs ({len(inventory)}): " + "; ".join(inventory[:5]))
+        diffs += [Difference(0, "inventory", line.split(":")[0]) for line in inventory]
     counts = {"grad": [], "param": []}
     norm_ulps = []
     # align by step number: a resumed run starts after its checkpoint step
@@ -149,40 +173,57 @@ def compare(base: Trace, other: Trace) -> Comparison:
     pairs = [(base_by_step[st.step], st) for st in other.steps if st.step in base_by_step]
     for bs, os_ in pairs:
         for mb, name, b, o in _loss_diffs(bs, os_):
+            diffs.append(Difference(bs.step, "loss", name, mb))
             if first is None:
                 ulp = _ulp(b["hex"], o["hex"])
                 first = FirstDivergence(bs.step, "loss", mb, name,
                                         f"{name}: reference {b['hex']} vs {o['hex']}{_ulp_words(ulp, b['hex'])}",
                                         ulp=ulp, ulp_bits=_bits(b["hex"]) if ulp is not None else None)
+        grads = [k for k in keys if bs.grads.get(k) != os_.grads.get(k)]          # canonical order
+        diffs += [Difference(bs.step, "grad", k) for k in grads]
+        counts["grad"].append(_per_family(grads, families))
+        if grads and first is None:
+            k = grads[-1]                  # backward order: the last in canonical order is computed first
+            first = FirstDivergence(bs.step, "grad", None, k,
+                                    f"grad fingerprint {bs.grads.get(k)} vs {os_.grads.get(k)}")
+            if grads[0] != k:
+                first.canonical = (f"first in canonical order: grad {grads[0]} (fingerprint "
+                                   f"{bs.grads.get(grads[0])} vs {os_.grads.get(grads[0])})")
         norm_ulps.append(None)
-        for kind, b_map, o_map in (("grad", bs.grads, os_.grads), ("param", bs.params, os_.params)):
-            if kind == "param" and bs.grad_norm and os_.grad_norm:
-                bh, oh = bs.grad_norm["hex"], os_.grad_norm["hex"]
-                norm_ulps[-1] = _ulp(bh, oh)
-                if bh != oh and first is None:
+        if bs.grad_norm and os_.grad_norm:
+            bh, oh = bs.grad_norm["hex"], os_.grad_norm["hex"]
+            norm_ulps[-1] = _ulp(bh, oh)
+            if bh != oh:
+                diffs.append(Difference(bs.step, "grad_norm", "grad norm"))
+                if first is None:
                     first = FirstDivergence(bs.step, "grad_norm", None, "grad norm",
                                             f"grad norm {bh} vs {oh}{_ulp_words(norm_ulps[-1], bh)}",
                                             ulp=norm_ulps[-1], ulp_bits=_bits(bh) if norm_ulps[-1] is not None else None)
-            per_family = dict.fromkeys(FAMILIES, 0)
-            for k in keys:
-                if b_map.get(k) != o_map.get(k):
-                    per_family[families[k]] += 1
-                    if first is None:
-                        first = FirstDivergence(bs.step, kind, None, k,
-                                                f"{kind} fingerprint {b_map.get(k)} vs {o_map.get(k)}")
-            if kind == "param":
-                for k in sorted(set(bs.buffers) | set(os_.buffers)):
-                    if bs.buffers.get(k) != os_.buffers.get(k):
-                        per_family["router"] += 1
-                        if first is None:
-                            first = FirstDivergence(bs.step, "param", None, k,
-                                                    f"buffer {bs.buffers.get(k)} vs {os_.buffers.get(k)}")
-            counts[kind].append(per_family)
+        params = [k for k in keys if bs.params.get(k) != os_.params.get(k)]
+        buffers = [k for k in sorted(set(bs.buffers) | set(os_.buffers)) if bs.buffers.get(k) != os_.buffers.get(k)]
+        diffs += [Difference(bs.step, "param", k) for k in params + buffers]
+        per_family = _per_family(params, families)
+        per_family["router"] += len(buffers)
+        counts["param"].append(per_family)
+        if (params or buffers) and first is None:
+            k = (params + buffers)[0]
+            b_fp, o_fp = (bs.params.get(k), os_.params.get(k)) if params else (bs.buffers.get(k), os_.buffers.get(k))
+            first = FirstDivergence(bs.step, "param", None, k,
+                                    f"{'param fingerprint' if params else 'buffer'} {b_fp} vs {o_fp}")
     missing_steps = sorted(({st.step for st in other.steps} ^ {st.step for st in base.steps})
                            - set(range(other.steps[0].step if other.steps else 0)))
-    if missing_steps and first is None:
-        first = FirstDivergence(missing_steps[0], "loss", None, "steps",
-                                f"step {missing_steps[0]} is in only one run ({len(base.steps)} vs {len(other.steps)} "
-                                "steps)")
+    if missing_steps:
+        diffs.append(Difference(missing_steps[0], "loss", "steps"))
+        if first is None:
+            first = FirstDivergence(missing_steps[0], "loss", None, "steps",
+                                    f"step {missing_steps[0]} is in only one run ({len(base.steps)} vs "
+                                    f"{len(other.steps)} steps)")
     return Comparison(bitwise_equal=first is None, first_divergence=first, family_mismatches=counts,
-                      inventory=inventory, grad_norm_ulps=norm_ulps)
+                      inventory=inventory, grad_norm_ulps=norm_ulps, differences=diffs)
+
+
+def _per_family(keys: list, families: dict) -> dict:
+    per_family = dict.fromkeys(FAMILIES, 0)
+    for k in keys:
+        per_family[families[k]] += 1
+    return per_family

@@ -36,13 +36,15 @@ def _parameter_problem(name: str, model: ModelConfig) -> str:
     return ""
 
 
-def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig, training: TrainingConfig) -> None:
+def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig, training: TrainingConfig,
+          signature=None) -> None:
     """Validate one variant's expectation (`wants`: its `first_divergence` list or None).
 
     Raises:
         UsageError: the baseline carries an expectation; first_divergence with ``bitwise``; ``may_diverge``
             without a place, or an empty list; max_ulp on a kind without one bit pattern per run; a step
-            >= train_iters, a microbatch >= num_microbatches, a name that no run of this model can produce.
+            >= train_iters, a microbatch >= num_microbatches, a name that no run of this model can produce;
+            the same for the places of a `signature` (`harness.signature`), which needs may_diverge or diverge.
     """
     if is_baseline and (expect != "bitwise" or wants):
         raise UsageError(f"{where}: the baseline cannot carry an expectation")
@@ -53,6 +55,8 @@ def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig,
                          "at least its kind)")
     if wants is not None and not wants:
         raise UsageError(f"{where}: first_divergence is an empty list: name at least one place")
+    if signature is not None:
+        _check_signature(where, expect, signature, model, training)
     for i, want in enumerate(wants or []):
         at = f"{where}: first_divergence" + (f"[{i}]" if len(wants) > 1 else "")
         if want.max_ulp is not None and want.kind not in _SCALAR_ULP_KINDS:
@@ -72,3 +76,23 @@ def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig,
             problem = _parameter_problem(want.name, model)
             if problem:
                 raise UsageError(f"{at}.name {want.name!r} {problem}")
+
+
+def _check_signature(where: str, expect: str, places, model: ModelConfig, training: TrainingConfig) -> None:
+    if expect == "bitwise":
+        raise UsageError(f"{where}: signature is only meaningful with expect: may_diverge or diverge")
+    if not places:
+        raise UsageError(f"{where}: signature is an empty list: name at least one place that may differ")
+    for i, p in enumerate(places):
+        at = f"{where}: signature[{i}]"
+        for field in ("step", "from_step"):
+            if getattr(p, field) is not None and getattr(p, field) >= training.train_iters:
+                raise UsageError(f"{at}.{field} {getattr(p, field)}: the run has steps 0..{training.train_iters - 1}")
+        if p.name is None:
+            continue
+        if p.kind in ("grad", "param", "inventory") or p.kind is None and p.name not in _loss_names(model):
+            problem = _parameter_problem(p.name, model)
+            if problem:
+                raise UsageError(f"{at}.name {p.name!r} {problem}")
+        elif p.kind == "loss" and p.name not in _loss_names(model):
+            raise UsageError(f"{at}.name {p.name!r}: a loss is one of {', '.join(sorted(_loss_names(model)))}")

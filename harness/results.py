@@ -141,7 +141,8 @@ class CaseResult:
 
     @property
     def all_pass(self) -> bool:
-        """True when every variant's verdict is pass and the cross-implementation check (if any) passed (the
-        CLI's exit code 0)."""
+        """True when every variant's verdict is pass and the cross-implementation check and the golden check
+        (if any) passed (the CLI's exit code 0)."""
         return all(v.verdict == "pass" for v in self.variants) and \
-            (self.cross_implementation is None or self.cross_implementation.get("verdict") == "pass")
+            (self.cross_implementation is None or self.cross_implementation.get("verdict") == "pass") and \
+            (self.golden is None or self.golden.get("verdict") == "pass")

@@ -3,7 +3,7 @@
 Input: ``rank{r}.jsonl`` in format ``bitparity-rank-trace/2`` (documented in `trainerkit.capture`).
 Output (`Trace`, saved as ``trace.json``): parameters keyed by global name (``name@replica`` for replicas),
 ordered canonically (embedding, decoder layers by global id, final norm, MTP depths, head; within a layer in
-module order), with per-step losses, grad norm, and grad / param / buffer fingerprints.
+module order), with per-step losses, grad norm, grad / param / buffer fingerprints and router tie counts.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from trainerkit import names
 
 RANK_FORMAT = "bitparity-rank-trace/2"
 FORMAT = "bitparity-trace/2"
@@ -37,6 +39,9 @@ class StepTrace:
     time_s: dict = field(default_factory=dict)       # rank -> seconds
     activations: dict = field(default_factory=dict)  # "<mb>/<global key>" -> fingerprint (capture: activations)
     boundaries: dict = field(default_factory=dict)   # "<F|B>/<sender stage>/<mb>/<send|recv>" -> fingerprint
+    # router global name -> {"topk": n, "group": n}: tokens of the step whose selection a tie decided (optional
+    # in the rank trace: {} for trainers that do not record it, e.g. megatron-core)
+    router_ties: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -82,14 +87,24 @@ def _same(rank: int, header: dict, step: int, what: str, ours, theirs) -> None:
                          "identically)")
 
 
+def _router_order(router: str) -> tuple:
+    """Canonical order of a router global name (``decoder.layers.1.mlp.router``): its weight's order key; a name
+    the canonical naming does not know sorts after the known ones, by name."""
+    try:
+        return (0, names.order_key(router + ".weight"), "")
+    except ValueError:
+        return (1, (), router)
+
+
 def merge(run_dir: Path, world_size: int) -> Trace:
     """Read ``rank0..rank{world_size-1}.jsonl`` from `run_dir` and merge them.
 
     Expert parallelism (world = P x EP, global rank = pp_rank * EP + ep_rank): the ranks of EP rank > 0
     trace their own experts under the global names and their copies of everything else under replica keys
     (``name@ep1``, checked by `harness.compare.replica_status`); their losses, buffers (expert bias), grad
-    norm, activations and boundary fingerprints must equal EP rank 0's, else the merge fails naming the rank
-    (they never overwrite EP rank 0's records silently).
+    norm, activations, boundary fingerprints and router tie counts must equal EP rank 0's, else the merge
+    fails naming the rank (they never overwrite EP rank 0's records silently).  ``router_ties`` (optional) is
+    merged by router name like the buffers: each router lives on one pipeline rank.
 
     Raises:
         TraceError: a rank trace is missing or truncated, two ranks hold the same key, an EP replica's
@@ -116,10 +131,11 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                 getattr(st, part).update(rec[part])
             if replica:
                 step = rec["step"]
-                for part in ("buffers", "activations", "boundaries"):
+                for part, what in (("buffers", "buffer"), ("activations", "activation"), ("boundaries", "boundary"),
+                                   ("router_ties", "router tie count")):
                     mine, first = rec.get(part, {}), getattr(st, part)
                     for k, v in mine.items():
-                        _same(rank, header, step, f"{part[:-1]} {k}", v, first.get(k))
+                        _same(rank, header, step, f"{what} {k}", v, first.get(k))
                 if "losses" in rec:
                     _same(rank, header, step, "losses", (rec["losses"], rec["lm_loss"]), (st.losses, st.lm_loss))
                 _same(rank, header, step, "grad norm", (rec["grad_norm"], rec["clip_coeff"]),
@@ -131,11 +147,14 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                 st.grad_norm, st.clip_coeff, st.clipped = rec["grad_norm"], rec["clip_coeff"], rec.get("clipped")
                 st.activations.update(rec.get("activations", {}))
                 st.boundaries.update(rec.get("boundaries", {}))
+                st.router_ties.update(rec.get("router_ties", {}))
             st.time_s[str(rank)] = rec["time_s"]
     counts = {len(st.time_s) for st in steps.values()}
     if counts and counts != {world_size}:
         raise TraceError(f"ranks disagree on the number of steps in {run_dir}")
     order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
+    for st in steps.values():       # canonical router order (by the router weight's key), whatever the layout
+        st.router_ties = dict(sorted(st.router_ties.items(), key=lambda kv: _router_order(kv[0])))
     return Trace(format=FORMAT, params=params, order=order, init=init,
                  steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size)
 

@@ -13,7 +13,6 @@ import platform
 import re
 import shlex
 import socket
-import sys
 import time
 from datetime import datetime, timezone
 from importlib import metadata
@@ -26,7 +25,7 @@ from dataclasses import asdict
 from reference_impl.config import CheckpointConfig
 from reference_impl.schedule import build_schedule, serialise, timeline
 
-from . import crossimpl, outdir, trainers
+from . import crossimpl, golden, outdir, signature, trainers
 from .arithmetic import arithmetic_facts
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
@@ -213,21 +212,63 @@ def _where_words(fd) -> str:
     return f"{what}, step {fd.step}" + (f", {fd.ulp}{wide} ULP" if fd.ulp is not None else "")
 
 
+@dataclasses.dataclass
+class GoldenRequest:
+    """`verify --golden DIR` (`index`: its golden.json, loaded before anything runs) or `--write-golden DIR`."""
+
+    directory: Path
+    write: bool
+    index: Optional[dict] = None
+
+
+def _goldens(req: Optional[GoldenRequest], plan: CasePlan, env: dict, traces: dict, variants: list, dirs: dict,
+             progress) -> Optional[dict]:
+    """Check the runs against their goldens (filling each `VariantResult.golden`) or record them; returns
+    `CaseResult.golden`.  Goldens are recorded only from a run whose verdicts all pass."""
+    if req is None:
+        return None
+    key = golden.environment_key(env)
+    versions = {r.spec.name: trainers.versions(r.config) for r in plan.runs}
+    if req.write:
+        failed = [v.name for v in variants if v.verdict != "pass"]
+        if failed:
+            progress(f"[golden] not recorded: {len(failed)} variant(s) do not pass ({', '.join(failed[:3])})")
+            return {"dir": str(req.directory), "environment": "same", "verdict": "fail",
+                    "detail": "not recorded: not every variant passes"}
+        golden.write(req.directory, plan.name, traces, {n: Path(d).name for n, d in dirs.items()}, key, env, versions)
+        progress(f"[golden] recorded {len(traces)} run(s) in {req.directory}")
+        return {"dir": str(req.directory), "environment": "same", "verdict": "pass",
+                "detail": f"recorded {len(traces)} run(s)"}
+    case, per = golden.check(req.directory, req.index, traces, key, versions)
+    if case["environment"] != "same":
+        progress(f"[golden] {req.directory} is from another environment, no bit compared: {case['environment']}")
+    for v in variants:
+        v.golden = per[v.name]
+        if v.golden["status"] != "equal" and case["environment"] == "same":
+            progress(f"[golden] {v.name}: {v.golden['status'].upper()}: {v.golden['detail']}")
+    progress(f"[golden] {sum(r['status'] == 'equal' for r in per.values())}/{len(per)} bitwise equal to the "
+             f"goldens in {req.directory}")
+    return case
+
+
 def _comparison_record(v: VariantResult) -> dict:
     """``runs/<variant>/comparison.json``: the verdict and the structural checks of one variant."""
     return {"format": "bitparity-comparison/1", "variant": v.name, "compare_to": v.compare_to,
             "verdict": v.verdict, "outcome": v.outcome, "reason": v.reason, "bitwise_equal": v.bitwise_equal,
             "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
             "inventory": v.inventory, "replica_status": v.replica_status, "run_to_run": v.run_to_run,
-            "ulp_evidence": v.ulp_evidence, "evidence_error": v.evidence_error, "localisation": v.localisation}
+            "ulp_evidence": v.ulp_evidence, "evidence_error": v.evidence_error, "localisation": v.localisation,
+            "outside_signature": v.outside_signature, "golden": v.golden}
 
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
-           progress: Callable[[str], None] = print, launcher: str = "fork", evidence_all: bool = False) -> CaseResult:
+           progress: Callable[[str], None] = print, launcher: str = "fork", evidence_all: bool = False,
+           goldens: Optional[GoldenRequest] = None) -> CaseResult:
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``).
 
     ULP evidence (`harness.evidence`) is collected for every failing variant whose first divergence is a
-    gradient or parameter, and with `evidence_all` also for variants that diverge as expected.
+    gradient or parameter, and with `evidence_all` also for variants that diverge as expected.  `goldens`:
+    compare every run with its golden trace, or record them (`harness.golden`).
 
     Raises:
         UsageError: before anything runs or is written: --out is not a directory, ``out_root/<case>`` (or its
@@ -237,10 +278,12 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     start = time.monotonic()
     # the partial directory is removed and the lock released on every exit, a crash included
     with outdir.workspace(out_root, plan.name) as (work, final):
-        return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all)
+        return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
+                       goldens)
 
 
-def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all) -> CaseResult:
+def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
+            goldens) -> CaseResult:
     env = environment()
     timeout = timeout_s or plan.spec.timeout_s
     traces, outcomes, repeats = {}, {}, {}
@@ -298,7 +341,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             None if ref is not None else f"reference run {ref_name!r} did not run, nothing to compare with")
         cmp = compare(ref, trace) if error is None else None
         replicas = replica_status(trace) if trace is not None else {}
-        verdict, happened, reason = judge(run, cmp, error, replicas, repeats.get(name))
+        verdict, happened, reason, outside = signature.judge(judge(run, cmp, error, replicas, repeats.get(name)),
+                                                             run.spec, cmp, t.clip_grad > 0)
         corrupted = boundary_mismatches(trace) if trace is not None else []
         if corrupted and verdict != "error":
             verdict, happened, reason = "fail", "unexpected difference", f"stage boundary: {corrupted[0]}"
@@ -329,8 +373,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             reductions=t.reductions, trainer=run.config.trainer, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
             bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas,
             run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error,
-            localisation=where or {}))
-        (work / dirs[name] / "comparison.json").write_text(json.dumps(_comparison_record(variants[-1]), indent=1))
+            localisation=where or {}, outside_signature=outside))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads
     env["device"] = plan.spec.device
@@ -345,9 +388,12 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     if chosen is not None:
         cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", timeout, launcher, progress)
         (work / "cross-implementation" / "cross_implementation.json").write_text(json.dumps(cross, indent=1))
+    golden_record = _goldens(goldens, plan, env, traces, variants, dirs, progress)
+    for v in variants:
+        (work / v.run_dir / "comparison.json").write_text(json.dumps(_comparison_record(v), indent=1))
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
                         elapsed_s=time.monotonic() - start, environment=env, command=command,
-                        cross_implementation=cross)
+                        cross_implementation=cross, golden=golden_record)
     write_report(result, work)
     outdir.publish(work, final)
     return result

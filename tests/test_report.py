@@ -11,6 +11,7 @@ from typing import Optional
 import pytest
 
 from harness import report
+from harness.report import writer
 from harness.results import FAMILIES, CaseResult, FirstDivergence, StepSeries, VariantResult
 
 MARKUP_NAME = "pp2 <b>x</b>"
@@ -130,7 +131,8 @@ def html(result) -> str:
 def test_summary_dict_schema_and_values(result):
     s = report.summary_dict(result)
     assert {"case", "baseline", "elapsed_s", "variants"} <= set(s)
-    assert set(s) <= {"case", "baseline", "elapsed_s", "variants", "all_pass", "cross_implementation", "environment"}
+    assert set(s) <= {"case", "baseline", "elapsed_s", "variants", "all_pass", "cross_implementation", "golden",
+                      "environment"}
     assert s["case"] == "dsv3_small"
     assert s["baseline"] == "baseline"
     assert s["elapsed_s"] == 66.75
@@ -149,7 +151,7 @@ def test_summary_dict_schema_and_values(result):
         assert v["bitwise_equal"] is None or type(v["bitwise_equal"]) is bool
         fd = v["first_divergence"]
         if fd is not None:
-            assert set(fd) == {"step", "kind", "microbatch", "name", "ulp"}
+            assert set(fd) == {"step", "kind", "microbatch", "name", "ulp", "canonical"}
             assert type(fd["step"]) is int and fd["kind"] in ("loss", "grad", "grad_norm", "param")
 
     base, ok, bad, err = s["variants"]
@@ -158,7 +160,7 @@ def test_summary_dict_schema_and_values(result):
     assert bad["bitwise_equal"] is False and err["bitwise_equal"] is None and ok["bitwise_equal"] is True
     assert ok["first_divergence"] is None and err["first_divergence"] is None
     assert bad["first_divergence"] == {"step": 0, "kind": "grad", "microbatch": None,
-                                       "name": "embedding.word_embeddings.weight", "ulp": None}
+                                       "name": "embedding.word_embeddings.weight", "ulp": None, "canonical": None}
     assert bad["reason"] == "grads differ from baseline at step 0"
     assert bad["elapsed_s"] == 31.0
     assert s["environment"]["torch"] == "2.13.0"
@@ -166,6 +168,14 @@ def test_summary_dict_schema_and_values(result):
     assert [v["reductions"] for v in s["variants"]] == ["megatron", "megatron", "megatron", "canonical"]
     assert [v["clip_grad"] for v in s["variants"]] == [0.0, CLIP, CLIP, 0.0]
     assert [v["bubble_fraction"] for v in s["variants"]] == [0.0, 1 / 3, None, None]
+    # keys added with the report package: empty defaults, links to the detail pages and Chrome traces
+    assert [v["outside_signature"] for v in s["variants"]] == [[]] * 4
+    assert [v["golden"] for v in s["variants"]] == [{}] * 4 and s["golden"] is None
+    assert [v["detail_page"] for v in s["variants"]] == [f"runs/{d}/index.html" for d in
+                                                         ("baseline", "pp2_vpp2", "pp4_mtp", "err")]
+    assert [v["schedule_trace"] for v in s["variants"]] == ["runs/baseline/schedule.trace.json",
+                                                            "runs/pp2_vpp2/schedule.trace.json", None,
+                                                            "runs/err/schedule.trace.json"]
     # Round-trips through strict JSON.
     assert json.loads(json.dumps(s, allow_nan=False)) == s
 
@@ -174,7 +184,7 @@ def test_summary_dict_loss_divergence_keeps_microbatch():
     r = make_result()
     r.variants[2].first_divergence = FirstDivergence(step=3, kind="loss", microbatch=1, name="mtp_1")
     fd = report.summary_dict(r)["variants"][2]["first_divergence"]
-    assert fd == {"step": 3, "kind": "loss", "microbatch": 1, "name": "mtp_1", "ulp": None}
+    assert fd == {"step": 3, "kind": "loss", "microbatch": 1, "name": "mtp_1", "ulp": None, "canonical": None}
     assert report.divergence_words(r.variants[2].first_divergence) == "step 3 · loss · mb 1 · mtp_1"
 
 
@@ -186,7 +196,7 @@ def test_summary_dict_grad_norm_divergence_and_unset_compare_to():
     r.variants[1].clip_grad = float("nan")
     s = report.summary_dict(r)
     assert s["variants"][2]["first_divergence"] == {"step": 1, "kind": "grad_norm", "microbatch": None,
-                                                    "name": "grad norm", "ulp": 1}
+                                                    "name": "grad norm", "ulp": 1, "canonical": None}
     assert s["variants"][3]["compare_to"] == "baseline"
     assert s["variants"][1]["clip_grad"] == 0.0
     json.dumps(s, allow_nan=False)
@@ -260,20 +270,84 @@ def test_markdown_summary(result):
 
 # ---------------------------------------------------------------------------------------------- html
 
-def test_html_verdict_matrix_rows(html):
-    m = re.search(r'<table class="matrix">(.*?)</table>', html, re.S)
-    assert m, "verdict matrix missing"
-    body = m.group(1).split("<tbody>", 1)[1]
-    rows = re.findall(r"<tr class=\"verdict-(\w+)[^\"]*\">(.*?)</tr>", body, re.S)
-    assert [v for v, _ in rows] == ["pass", "pass", "fail", "error"]
+def _runs_rows(html: str) -> list[tuple[str, str]]:
+    """(tr class, row html) of the "All runs" list."""
+    body = re.search(r'<table class="runs">(.*?)</table>', html, re.S).group(1).split("<tbody>", 1)[1]
+    return re.findall(r'<tr class="([^"]*)">(.*?)</tr>', body, re.S)
+
+
+def test_html_run_list_rows(html):
+    rows = _runs_rows(html)
+    assert [cls.split()[0] for cls, _ in rows] == ["verdict-pass", "verdict-pass", "verdict-fail", "verdict-error"]
     assert "pp2_vpp2" in rows[1][1]
     fail_row = rows[2][1]
     assert "pp4_mtp" in fail_row and 'class="badge fail"' in fail_row
     assert "step 0 · grad · embedding.word_embeddings.weight" in fail_row
     assert "0x3c23d70a (baseline) vs 0x3c23d70b (variant)" in fail_row
-    assert "grads differ from baseline at step 0" in fail_row
     assert 'class="badge error"' in rows[3][1]
     assert "31.0 s" in fail_row
+    assert '<a href="#card-pp4_mtp">pp4_mtp</a>' in fail_row
+
+
+def _matrix(html: str) -> str:
+    return re.search(r'<table class="vmatrix">(.*?)</table>', html, re.S).group(1)
+
+
+def _matrix_cells(html: str) -> list[dict]:
+    """Every run cell of the verdict matrix: its row, column, classes, link, tooltip and run name."""
+    out = []
+    body = _matrix(html).split("<tbody>", 1)[1]
+    for r, tr in enumerate(re.findall(r"<tr>(.*?)</tr>", body, re.S)):
+        for c, td in enumerate(re.findall(r"<td[^>]*>(.*?)</td>", tr, re.S)):
+            for cls, href, title, run in re.findall(
+                    r'<a class="vcell ([^"]*)" href="([^"]*)" title="([^"]*)" data-run="([^"]*)">', td):
+                out.append({"row": r, "col": c, "cls": cls.split(), "href": href, "title": title, "run": run})
+    return out
+
+
+def test_html_verdict_matrix_layouts_by_option_groups(html):
+    m = _matrix(html)
+    # columns: option groups (reductions x clipping, then other overrides), each run in exactly one cell
+    heads = re.findall(r'<th class="col" title="[^"]*">(.*?)</th>', m, re.S)
+    cols = [re.findall(r"<span>(.*?)</span>", h) for h in heads]
+    assert cols == [["megatron", "clip off"], ["megatron", "clip 0.05", "micro_batches=4"],
+                    ["megatron", "clip 0.05", "mtp_standalone=True", "seed=7"], ["canonical", "clip off"]]
+    rows = re.findall(r'<th class="row"[^>]*>(.*?)<span class="layout">(.*?)</span>', m, re.S)
+    assert [(h.strip(), lay) for h, lay in rows] == [
+        ("P1 · no pipelining · MTP with the loss", "E|t*4|L"), ("P2 · V2 · MTP with the loss", "E,t|t,t|t,L"),
+        ("P4 · V1 · MTP standalone", "E|t,t|t,t|L,M"), ("P2 · V1 · MTP with the loss", "E|t&lt;t&gt;|L")]
+    cells = _matrix_cells(html)
+    assert [(c["row"], c["col"]) for c in cells] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [c["href"] for c in cells] == ["#card-baseline", "#card-pp2_vpp2", "#card-pp4_mtp", "#card-pp2-b-x-b"]
+    # colours: reference outlined, equal green, unexpected red, error grey; the reference of pp4_mtp outlined too
+    assert [c["cls"] for c in cells] == [["reference", "is-ref"], ["equal", "is-ref"], ["unexpected"], ["error"]]
+    # tooltip: name, outcome, first divergence, reference run
+    tip = cells[2]["title"]
+    assert tip.startswith("pp4_mtp\nunexpected difference (fail)\nfirst divergence: step 0 · grad · embedding.word")
+    assert "compared with pp2_vpp2" in tip
+    assert cells[3]["run"] == "pp2 &lt;b&gt;x&lt;/b&gt;" and "rank 1 exited with code 1" in cells[3]["title"]
+    # one line per failing run under the matrix, linked to its card
+    sec = html.split('<section id="matrix">', 1)[1].split("</section>", 1)[0]
+    failing = re.findall(r"<li>(.*?)</li>", sec.split('<ul class="failing">', 1)[1], re.S)
+    assert len(failing) == 2
+    assert '<a href="#card-pp4_mtp">pp4_mtp</a> · unexpected difference:' in failing[0]
+    assert "step 0 · grad · embedding.word_embeddings.weight" in failing[0]
+    assert "rank 1 exited with code 1" in failing[1]
+    # every matrix link has its card
+    for c in cells:
+        assert f'id="{c["href"][1:]}"' in html
+    # the matrix comes before every other section
+    assert html.index('<section id="matrix">') < html.index('<section id="runs">') < html.index('<section id="loss">')
+
+
+def test_html_matrix_all_clear_line_and_legend():
+    r = make_result()
+    r.variants = r.variants[:2]
+    html = report.render_html(r)
+    sec = html.split('<section id="matrix">', 1)[1].split("</section>", 1)[0]
+    assert "failing" not in sec and "Nothing moved unexpectedly" in sec
+    legend = re.search(r'<p class="mlegend">(.*?)</p>', sec, re.S).group(1)
+    assert "equal 1" in legend and "unexpected difference 0" in legend and "reference run 1" in legend
 
 
 def test_html_header_and_sections(html, result):
@@ -281,9 +355,10 @@ def test_html_header_and_sections(html, result):
     assert "dsv3_small" in html
     assert result.command in html  # no characters that need escaping in it
     assert 'class="badge overall fail"' in html
-    for section in ("matrix", "loss", "mismatches", "variants", "environment"):
+    for section in ("matrix", "runs", "loss", "mismatches", "variants", "environment"):
         assert f'id="{section}"' in html
-    assert "rank 0: E t | t L\nrank 1: t t" in html  # layout grid kept verbatim in <pre>
+    # layout grid kept verbatim in <pre>, on the run's detail page
+    assert "<pre>rank 0: E t | t L\nrank 1: t t</pre>" in report.render_run_page(result, 1)
     assert "micro_batches" in html and "2.13.0" in html
 
 
@@ -315,8 +390,11 @@ def test_html_loss_hex_table_highlights_differences(html):
     differing = re.findall(r'<td class="hex differs"[^>]*>(0x[0-9a-f]{8})</td>', table)
     assert differing == [_hex(9.7500009), _hex(9.1)]
     assert table.count(_hex(10.5)) == 3  # step 0 equal in all three variants with data
+    # one row per run with data (long, not wide), one column per step
     header = re.search(r"<thead>(.*?)</thead>", table, re.S).group(1)
-    assert MARKUP_NAME not in header and "&lt;b&gt;" not in header  # errored variant has no data
+    assert re.findall(r"<th[^>]*>([^<]*)</th>", header) == ["run", "step 0", "step 1", "step 2"]
+    names = re.findall(r'<td><a href="#card-[^"]*">([^<]*)</a></td>', table)
+    assert names == ["baseline", "pp2_vpp2", "pp4_mtp"]   # the errored variant has no data
 
 
 def test_html_family_tables(html):
@@ -346,13 +424,9 @@ def test_html_without_loss_data_has_no_svg():
     out = report.render_html(r)
     loss = out.split('id="loss"', 1)[1].split('id="gradnorm"', 1)[0]
     assert "<svg" not in loss and "No loss data recorded." in loss
-    for v in r.variants:
-        v.timeline = []
-    # the differing-parameter heatmap is the only SVG left; without mismatch counts there is none
-    assert report.render_html(r).count("<svg") == 1
-    for v in r.variants:
-        v.family_mismatches = {}
-    assert "<svg" not in report.render_html(r)
+    # timelines and heatmaps are drawn on the detail pages, not in index.html
+    assert "<svg" not in out
+    assert report.render_run_page(r, 1).count('class="timeline-svg"') == 1
 
 
 def test_loss_svg_is_deterministic_and_embeddable(result):
@@ -365,74 +439,83 @@ def test_loss_svg_is_deterministic_and_embeddable(result):
 
 # --------------------------------------------------------------------------------------------- files
 
+def _files(root: pathlib.Path) -> dict:
+    """{relative path: bytes} of every file under root (hidden temp files included)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+RUN_FILES = {f"runs/{d}/{f}" for d in ("baseline", "pp2_vpp2", "pp4_mtp", "err") for f in
+             ("index.html", "schedule.trace.json")} - {"runs/pp4_mtp/schedule.trace.json"}   # no timeline
+
+
 def test_write_report_files_atomic(tmp_path, result):
     out = tmp_path / "nested" / "report"
     paths = report.write_report(result, out)
-    assert set(paths) == {"index.html", "summary.json", "junit.xml", "summary.md"}
-    assert sorted(p.name for p in out.iterdir()) == ["index.html", "junit.xml", "summary.json", "summary.md"]
+    top = {"index.html", "summary.json", "junit.xml", "summary.md"}
+    assert set(paths) == top | RUN_FILES
+    assert set(_files(out)) == top | RUN_FILES
     for name, p in paths.items():
         assert p == out / name and p.stat().st_size > 0
     assert json.loads(paths["summary.json"].read_text()) == report.summary_dict(result)
     ET.parse(paths["junit.xml"])
     assert paths["index.html"].read_text(encoding="utf-8") == report.render_html(result)
+    assert paths["runs/pp2_vpp2/index.html"].read_text(encoding="utf-8") == report.render_run_page(result, 1)
+    # every link of the page to a run file points at a written file
+    html = paths["index.html"].read_text(encoding="utf-8")
+    for link in set(re.findall(r'href="(runs/[^"#]+)', html)):
+        assert (out / link).is_file() or (out / link).is_dir(), link
 
     # Rewriting over an existing report replaces the files and still leaves no temp files.
     result2 = make_result()
     result2.case = "second"
     report.write_report(result2, out)
-    assert sorted(p.name for p in out.iterdir()) == ["index.html", "junit.xml", "summary.json", "summary.md"]
+    assert set(_files(out)) == top | RUN_FILES
     assert json.loads((out / "summary.json").read_text())["case"] == "second"
 
 
 def test_write_report_failure_leaves_no_temp_files(tmp_path, monkeypatch, result):
     out = tmp_path / "r"
     report.write_report(result, out)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = _files(out)
 
     def boom(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report.os, "replace", boom)
+    monkeypatch.setattr(writer.os, "replace", boom)
     r2 = make_result()
     r2.case = "other"
     with pytest.raises(OSError, match="disk full"):
         report.write_report(r2, out)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _files(out) == before
 
 
 # ------------------------------------------------------------------------ matrix: reductions, clip, ref
 
-def _matrix_rows(html: str) -> list[str]:
-    body = re.search(r'<table class="matrix">(.*?)</table>', html, re.S).group(1).split("<tbody>", 1)[1]
-    return re.findall(r'<tr class="verdict-\w+[^"]*">(.*?)</tr>', body, re.S)
-
-
-def test_html_matrix_reductions_clip_and_reference(html):
-    head = re.search(r'<table class="matrix">\s*<thead>(.*?)</thead>', html, re.S).group(1)
+def test_html_run_list_reductions_clip_and_reference(html):
+    head = re.search(r'<table class="runs">\s*<thead>(.*?)</thead>', html, re.S).group(1)
     headers = re.findall(r"<th[^>]*>([^<]+)</th>", head)
-    assert headers == ["variant", "layout", "P", "V", "EP", "schedule", "MTP standalone", "reductions", "clip", "compared with",
-                       "expect", "verdict", "bitwise equal", "first divergence", "reason", "elapsed"]
-    rows = _matrix_rows(html)
-    sched = [re.search(r'<td class="schedule">([^<]*)</td>', r).group(1) for r in rows]
-    assert all(x in ("no pipelining", "1F1B", "interleaved") for x in sched), sched
-    red = [re.search(r'<td class="reductions">([^<]*)</td>', r).group(1) for r in rows]
+    assert headers == ["run", "layout", "options", "compared with", "expect", "verdict", "first divergence", "elapsed"]
+    rows = [r for _, r in _runs_rows(html)]
+    sched = [re.search(r'<td class="layout">.*?· ([^<·]*)</span></td>', r).group(1) for r in rows]
+    assert sched == ["no pipelining", "interleaved", "1F1B", "1F1B"]
+    red = [re.search(r'<span class="reductions">([^<]*)</span>', r).group(1) for r in rows]
     assert red == ["megatron", "megatron", "megatron", "canonical"]
-    clip = [re.search(r'<td class="num clip[^"]*">([^<]*)</td>', r).group(1) for r in rows]
+    clip = [re.search(r'<span class="clip">([^<]*)</span>', r).group(1) for r in rows]
     assert clip == ["off", "0.05", "0.05", "off"]
     refs = [re.search(r'<td class="ref([^"]*)">(.*?)</td>', r, re.S).groups() for r in rows]
     # The baseline is compared with itself; pp2_vpp2 with the baseline (styled as such); pp4_mtp with pp2_vpp2.
     assert refs[0][0] == "" and "itself" in refs[0][1]
     assert refs[1][0] == " is-baseline"
-    assert '<a href="#variant-0">baseline</a>' in refs[1][1] and 'class="ref-baseline"' in refs[1][1]
-    assert refs[2][0] == "" and '<a href="#variant-1">pp2_vpp2</a>' in refs[2][1]
+    assert '<a href="#card-baseline">baseline</a>' in refs[1][1] and 'class="ref-baseline"' in refs[1][1]
+    assert refs[2][0] == "" and '<a href="#card-pp2_vpp2">pp2_vpp2</a>' in refs[2][1]
     assert "ref-baseline" not in refs[2][1]
     assert refs[3][0] == " is-baseline"
 
 
 def test_html_variant_card_names_reference_and_reductions(html):
-    card = html.split('id="variant-2"', 1)[1].split('<div class="variant', 1)[0]
+    card = html.split('id="card-pp4_mtp"', 1)[1].split('<div class="variant', 1)[0]
     assert "<code>megatron</code> · clip_grad 0.05" in card
-    assert '<a href="#variant-1">pp2_vpp2</a>' in card
+    assert '<a href="#card-pp2_vpp2">pp2_vpp2</a>' in card
     assert "expected bitwise equality with reference run &#39;pp2_vpp2&#39;" in card
 
 
@@ -450,8 +533,8 @@ def _gradnorm_rows(table: str) -> list[list[tuple[str, str]]]:
 
 def test_html_grad_norm_section(html):
     sec = _gradnorm_section(html)
-    heads = re.findall(r'<h3 class="gradnorm-variant"><a href="#(variant-\d)">([^<]+)</a>', sec)
-    assert heads == [("variant-1", "pp2_vpp2"), ("variant-2", "pp4_mtp")]
+    heads = re.findall(r'<h3 class="gradnorm-variant"><a href="#(card-[\w-]+)">([^<]+)</a>', sec)
+    assert heads == [("card-pp2_vpp2", "pp2_vpp2"), ("card-pp4_mtp", "pp4_mtp")]
     tables = re.findall(r'<table class="gradnorm-table">(.*?)</table>', sec, re.S)
     assert len(tables) == 2
     ref_rows, fail_rows = _gradnorm_rows(tables[0]), _gradnorm_rows(tables[1])
@@ -473,17 +556,17 @@ def test_html_grad_norm_section(html):
     assert [r[4] for r in ref_rows] == [("hex muted", "—")] * 3
     assert [r[1][1] for r in ref_rows] == REF_NORM_HEX
 
-    fail_intro = sec.split('href="#variant-2">pp4_mtp', 1)[1].split("<table", 1)[0]
+    fail_intro = sec.split('href="#card-pp4_mtp">pp4_mtp', 1)[1].split("<table", 1)[0]
     assert "reductions <code>megatron</code> (fp32 grad norm)" in fail_intro
-    assert "clip_grad 0.05" in fail_intro and '<a href="#variant-1">pp2_vpp2</a>' in fail_intro
+    assert "clip_grad 0.05" in fail_intro and '<a href="#card-pp2_vpp2">pp2_vpp2</a>' in fail_intro
     assert "2 steps with a nonzero ULP distance" in fail_intro
-    ref_intro = sec.split('href="#variant-1">pp2_vpp2', 1)[1].split("<table", 1)[0]
+    ref_intro = sec.split('href="#card-pp2_vpp2">pp2_vpp2', 1)[1].split("<table", 1)[0]
     assert 'class="ref-baseline"' in ref_intro and "nonzero ULP" not in ref_intro
 
     off = re.findall(r'<p class="muted small clipping-off">(.*?)</p>', sec, re.S)
     assert len(off) == 1
     assert off[0].startswith("clipping off: ")
-    assert re.findall(r'<a href="#variant-\d">([^<]+)</a>', off[0]) == ["baseline", "pp2 &lt;b&gt;x&lt;/b&gt;"]
+    assert re.findall(r'<a href="#card-[\w-]+">([^<]+)</a>', off[0]) == ["baseline", "pp2 &lt;b&gt;x&lt;/b&gt;"]
 
 
 def test_html_grad_norm_canonical_fp64_and_all_off():
@@ -604,22 +687,31 @@ def test_timeline_svg_unknown_op_and_escaped_name():
     assert [e.get("fill") for e in cells] == [report.TIMELINE_OTHER[0], report.TIMELINE_FORWARD[0][0]]
 
 
-def test_html_timeline_in_variant_cards(html):
-    cards = re.split(r'<div class="variant \w+" id="variant-\d">', html.split('<section id="variants">', 1)[1])[1:]
-    assert len(cards) == 4
-    base, ok, bad, err = cards
+def test_html_timeline_on_detail_pages_and_summary_in_cards(html, result):
+    pages = [report.render_run_page(result, i) for i in range(4)]
+    base, ok, bad, err = pages
     # After the layout grid, before the reproduce command; the bubble fraction printed under it.
     i_grid = ok.index("rank 0: E t | t L\nrank 1: t t")
     i_svg = ok.index('<svg xmlns="http://www.w3.org/2000/svg" class="timeline-svg"')
-    assert i_grid < i_svg < ok.index("<h4>Reproduce</h4>")
+    assert i_grid < i_svg < ok.index('<h2 id="reproduce">Reproduce</h2>')
     assert ok.count('<rect class="cell ') == 16
     assert "bubble fraction 33.3 %" in ok
     assert "bubble fraction 0.0 %" in base
     assert base.count('<rect class="cell ') == 4
-    assert "timeline-svg" not in bad and "bubble fraction" not in bad   # no timeline recorded
+    assert "timeline-svg" not in bad and "No schedule timeline recorded." in bad
     assert "bubble fraction —" in err                                   # cells but no fraction
     assert 'aria-label="schedule timeline of pp2 &lt;b&gt;x&lt;/b&gt;: 2 ranks, 6 time units"' in err
-    assert html.count('class="timeline-svg"') == 3
+    # the Chrome trace beside it, planned only (no trainer records per-action times)
+    assert '<a class="trace-link" href="schedule.trace.json">' in ok and "Planned only" in ok
+    # the detail page links back to its card in the report
+    assert '<a class="back" href="../../index.html#card-pp2_vpp2">' in ok
+    # index.html: one line per card, no SVG
+    cards = _cards(html)
+    assert "timeline-svg" not in html
+    assert "schedule: bubble fraction 33.3 %" in cards[1] and "16 compute actions" in cards[1]
+    assert '<a href="runs/pp2_vpp2/index.html#timeline">timeline</a>' in cards[1]
+    assert '<a class="trace-link" href="runs/pp2_vpp2/schedule.trace.json">Chrome trace</a>' in cards[1]
+    assert "bubble fraction" not in cards[2]
 
 
 # -------------------------------------------------------------- structural checks: inventory, replicas
@@ -660,7 +752,7 @@ def make_structural_result() -> CaseResult:
 
 
 def _cards(html: str) -> list[str]:
-    return re.split(r'<div class="variant \w+" id="variant-\d">', html.split('<section id="variants">', 1)[1])[1:]
+    return re.split(r'<div class="variant \w+" id="card-[\w-]+">', html.split('<section id="variants">', 1)[1])[1:]
 
 
 def _structural_block(card: str) -> str:
@@ -680,7 +772,7 @@ def test_divergence_words_inventory_is_before_training():
     r = make_structural_result()
     md_row = next(ln for ln in report.markdown_summary(r).splitlines() if ln.startswith("| pp4\\_mtp"))
     assert "before training · inventory · output\\_layer.weight" in md_row
-    fail_row = _matrix_rows(report.render_html(r))[2]
+    fail_row = _runs_rows(report.render_html(r))[2][1]
     assert "before training · inventory · output_layer.weight" in fail_row and "step 0 · inventory" not in fail_row
 
 
@@ -693,7 +785,7 @@ def test_summary_json_inventory_and_replica_status():
     assert bad["inventory"] == INV_LINES
     assert base["inventory"] == ok["inventory"] == err["inventory"] == drift["inventory"] == []
     assert bad["first_divergence"] == {"step": 0, "kind": "inventory", "microbatch": None,
-                                       "name": "output_layer.weight", "ulp": None}
+                                       "name": "output_layer.weight", "ulp": None, "canonical": None}
     assert base["replica_status"] == {"consistent": True, "first_broken_step": None, "replicas": [REPLICA],
                                       "detail": "1 replica(s) match their originals at init and after all 3 steps"}
     assert ok["replica_status"]["replicas"] == []
@@ -762,16 +854,15 @@ def test_html_structural_checks_in_every_card():
     assert 'class="replica-check unknown"' in err and "not checked" in _dd(err, "replica-check")
 
 
-def test_html_matrix_marks_structural_failures_only():
+def test_html_run_list_marks_structural_failures_only():
     html = report.render_html(make_structural_result())
-    body = re.search(r'<table class="matrix">(.*?)</table>', html, re.S).group(1).split("<tbody>", 1)[1]
-    rows = re.findall(r'<tr class="([^"]*)">(.*?)</tr>', body, re.S)
+    rows = _runs_rows(html)
     assert len(rows) == 5
     flags = [re.findall(r'<span class="struct-flag (\w+)" title="([^"]*)">', r) for _, r in rows]
     assert [[c for c, _ in f] for f in flags] == [[], [], ["inventory"], [], ["replicas"]]
     assert ["structural-flag" in cls for cls, _ in rows] == [False, False, True, False, True]
     # the marker sits in the variant cell and its tooltip says what is wrong
-    name_cell = re.search(r"<td>(.*?)</td>", rows[2][1], re.S).group(1)
+    name_cell = re.search(r'<td class="name">(.*?)</td>', rows[2][1], re.S).group(1)
     assert "pp4_mtp" in name_cell and 'class="struct-flag inventory"' in name_cell
     assert flags[2][0][1].startswith("parameter inventory differs from pp2_vpp2 (2 parameters): output_layer.weight")
     assert flags[4][0][1] == f"replicas inconsistent: broken at step 1 · {BROKEN_DETAIL}"
@@ -911,20 +1002,24 @@ def test_ulp_histogram_svg_unbounded_bucket_escaping_and_bad_input():
         assert report.ulp_histogram_svg(bad) is None
 
 
-def _card(html: str, i: int) -> str:
-    return _cards(html)[i]
+ULP_HEAD = '<h2 id="ulp-evidence">ULP evidence</h2>'
 
 
-def _ulp_block(card: str) -> str:
-    assert card.count("<h4>ULP evidence</h4>") == 1
-    return card.split("<h4>ULP evidence</h4>", 1)[1].split("<h4>", 1)[0]
+def _pages(r: CaseResult) -> list[str]:
+    """The detail page of every variant of `r`."""
+    return [report.render_run_page(r, i) for i in range(len(r.variants))]
 
 
-def test_html_ulp_evidence_block_in_the_variant_card():
-    html = report.render_html(make_evidence_result())
-    cards = _cards(html)
-    assert len(cards) == 5
-    block = _ulp_block(cards[2])
+def _ulp_block(page: str) -> str:
+    assert page.count(ULP_HEAD) == 1
+    return page.split(ULP_HEAD, 1)[1].split("<h2", 1)[0]
+
+
+def test_html_ulp_evidence_on_the_detail_page():
+    r = make_evidence_result()
+    pages = _pages(r)
+    assert len(pages) == 5
+    block = _ulp_block(pages[2])
     table = re.search(r'<table class="ulp-table">(.*?)</table>', block, re.S).group(1)
     rows = re.findall(r'<tr class="ulp-row">(.*?)</tr>', table, re.S)
     assert len(rows) == 2
@@ -939,17 +1034,25 @@ def test_html_ulp_evidence_block_in_the_variant_card():
         ("param", "9 / 512", str(2 ** 30), "2.5", "—", "2")
     assert 'class="num ulp-nan nonzero"' in rows[1] and 'class="num ulp-nan zero"' in rows[0]
     # the key with markup is escaped in the table and in the histogram
-    assert "&lt;mlp&gt;" in p["ulp-tensor"] and "<mlp>" not in html
+    assert "&lt;mlp&gt;" in p["ulp-tensor"] and "<mlp>" not in pages[2]
     # one histogram per tensor, inside its row
     assert [len(_svg_in(r, "ulp-hist-svg")) for r in rows] == [1, 1]
     assert "step 0 (the first diverging step)" in block and "differ from pp2_vpp2" in block
     # only pp4_mtp has evidence; the errored variant shows its evidence error, escaped; the others nothing
     for i in (0, 1, 4):
-        assert "ULP evidence" not in cards[i] and "ulp-hist-svg" not in cards[i]
-    err = _ulp_block(cards[3])
+        assert "ULP evidence" not in pages[i] and "ulp-hist-svg" not in pages[i]
+    err = _ulp_block(pages[3])
     assert "ulp-table" not in err
     assert '<pre class="error evidence-error">rank 0 exited with code 1: &lt;dump&gt; &amp; friends</pre>' in err
-    assert html.count('class="ulp-hist-svg"') == 2
+    assert sum(p.count('class="ulp-hist-svg"') for p in pages) == 2
+    # the cards in index.html: one line each, the histograms only on the detail page; the evidence error shown
+    html = report.render_html(r)
+    cards = _cards(html)
+    line = re.search(r'<li class="ulp-line">(.*?)</li>', cards[2], re.S).group(1)
+    assert "ULP evidence at step 0: 2 differing tensors · max 2^30 ULP" in line
+    assert '<a href="runs/pp4_mtp/index.html#ulp-evidence">table and histograms</a>' in line
+    assert "could not be collected" in cards[3] and "&lt;dump&gt; &amp; friends" in cards[3]
+    assert "ulp-hist-svg" not in html and "<mlp>" not in html
 
 
 def test_html_ulp_evidence_error_next_to_partial_evidence_and_empty_rows():
@@ -957,12 +1060,13 @@ def test_html_ulp_evidence_error_next_to_partial_evidence_and_empty_rows():
     bad = r.variants[2]
     bad.evidence_error = "variant re-run timed out"
     bad.ulp_evidence = [dict(P1_GRAD, histogram=[]), "junk"]
-    block = _ulp_block(_card(report.render_html(r), 2))
+    block = _ulp_block(report.render_run_page(r, 2))
     assert len(re.findall(r'<tr class="ulp-row">', block)) == 1
     assert "no histogram" in block and "ulp-hist-svg" not in block
     assert "variant re-run timed out" in block
     bad.ulp_evidence, bad.evidence_error = [], ""
-    assert "ULP evidence" not in _card(report.render_html(r), 2)
+    assert "ULP evidence" not in report.render_run_page(r, 2)
+    assert "ulp-line" not in _cards(report.render_html(r))[2]
 
 
 def test_run_to_run_words():
@@ -1074,35 +1178,40 @@ def test_family_heatmap_svg_none_without_differences_escapes_and_fits():
     assert 5 <= len(steps) < 100 and steps[0] == "0"
 
 
-def test_html_heatmap_in_cards_and_tables_kept(html):
-    cards = _cards(html)
-    base, ok, bad, err = cards
+def test_html_heatmap_on_detail_pages_and_tables_kept(html, result):
+    base, ok, bad, err = _pages(result)
     assert len(_svg_in(bad, "heatmap-svg")) == 1
-    assert '<h4 id="variant-2-heatmap">Differing parameters by family and step</h4>' in bad
+    assert '<h2 id="heatmap">Differing parameters by family and step</h2>' in bad
     assert "grad 11" in bad and "param 5" in bad
     # all-zero counts: a line instead of a grey map; the baseline (compared with itself) and the errored
     # variant (no counts): nothing
     assert "heatmap-svg" not in ok and "no differing parameters in any of the 3 steps" in ok
-    for card in (base, err):
-        assert "Differing parameters" not in card and "heatmap-svg" not in card
-    assert html.count('class="heatmap-svg"') == 1
+    for page in (base, err):
+        assert "Differing parameters" not in page and "heatmap-svg" not in page
+    # index.html: the totals in the card with a link, no SVG
+    cards = _cards(html)
+    line = re.search(r'<li class="heatmap-line">(.*?)</li>', cards[2], re.S).group(1)
+    assert "grad 11 · param 5" in line and 'href="runs/pp4_mtp/index.html#heatmap"' in line
+    assert "no differing parameters in any of the 3 steps" in cards[1]
+    assert "heatmap-svg" not in html
     # the mismatch tables are still there, and link to the heatmap
     sec = html.split('id="mismatches"', 1)[1].split('id="variants"', 1)[0]
     assert len(re.findall(r'<table class="family-table">', sec)) == 2
-    assert '<a class="small heatmap-link" href="#variant-2-heatmap">heatmap</a>' in sec
-    assert "heatmap-svg" not in sec
+    assert '<a class="small heatmap-link" href="runs/pp4_mtp/index.html#heatmap">heatmap</a>' in sec
 
 
 def test_html_with_evidence_is_self_contained_and_escaped():
-    html = report.render_html(make_evidence_result())
-    lowered = html.lower()
-    for forbidden in ("<script", "<link", "@import", "url(http", "<iframe", "<img", "<mlp>", "<dump>", "<w>"):
-        assert forbidden not in lowered, forbidden
-    for m in re.finditer(r"https?://", html):
-        assert re.search(r'xmlns(:\w+)?="$', html[max(0, m.start() - 20):m.start()])
-    for cls in ("ulp-hist-svg", "heatmap-svg"):
-        for svg in _svg_in(html, cls):
-            ET.fromstring(svg)
+    r = make_evidence_result()
+    html = report.render_html(r)
+    for page in [html] + _pages(r):
+        lowered = page.lower()
+        for forbidden in ("<script", "<link", "@import", "url(http", "<iframe", "<img", "<mlp>", "<dump>", "<w>"):
+            assert forbidden not in lowered, forbidden
+        for m in re.finditer(r"https?://", page):
+            assert re.search(r'xmlns(:\w+)?="$', page[max(0, m.start() - 20):m.start()])
+        for cls in ("ulp-hist-svg", "heatmap-svg", "timeline-svg", "loss-svg"):
+            for svg in _svg_in(page, cls):
+                ET.fromstring(svg)
     assert report.render_html(make_evidence_result()) == html
 
 
@@ -1136,3 +1245,278 @@ def test_outcome_words_reach_markdown_html_and_summary_json():
     assert report.summary_dict(r)["variants"][1]["outcome"] == "differs only where allowed"
     html = report.render_html(r)
     assert "differs only where allowed" in html and "or a first divergence only where allowed" in html
+
+
+# ------------------------------------------------- at scale: a dsv3-shaped case (32 runs, real schedules)
+
+DSV3_LAYOUTS = {"pp16-vpp2-mtp-standalone": ("Et*3|(tt|)*29,m|L", 16),
+                "pp16-vpp2-mtp-with-loss": ("Et*2|(tt|)*29,t|mL", 16),
+                "pp8-vpp4-mtp-standalone": ("Et*3|(tt|)*29,m|L", 8),
+                "pp2-1f1b-mtp-with-loss": ("Et*30|t*31mL", 2),
+                "pp1-no-pipelining": ("Et*61mL", 1)}
+L_BASE, L_P1, L_CLIP, L_CLIP_PP8, L_CLIP_PP2, L_CLIP_PP1, L_CANON_CLIP, L_EP_CLIP, L_BROKEN = (
+    [5.5452, 5.5391, 5.5337], [5.5452, 5.5391003, 5.5337005], [5.5452, 5.5389, 5.5331],
+    [5.5452, 5.5389, 5.5331004], [5.5452, 5.5389, 5.5331008], [5.5452, 5.5389002, 5.533101],
+    [5.5452, 5.5389001, 5.5331002], [5.5452, 5.5389, 5.5331006], [5.5452, 5.5391, 5.5349])
+FAILING_RUN = "ep2/pp2-1f1b-mtp-with-loss"
+ERRORED_RUN = "ep2/overlap/pp16-vpp2-mtp-with-loss"
+OUTSIDE = ["step 1 grad decoder.layers.40.mlp.experts.3.linear_fc1.weight",
+           "step 1 grad decoder.layers.40.mlp.experts.3.linear_fc2.weight", "step 2 param <all> … and 812 more"]
+CANONICAL_LINE = "step 1 grad decoder.layers.3.mlp.router.weight: 0x3c23d70a vs 0x3c23d70b"
+
+# (name, layout, options, compare_to, expect, outcome, first divergence (step, kind, name) or None, losses)
+DSV3_RUNS = [
+    ("pp16-vpp2-mtp-standalone", "pp16-vpp2-mtp-standalone", {}, "", "bitwise", "reference", None, L_BASE),
+    ("pp16-vpp2-mtp-with-loss", "pp16-vpp2-mtp-with-loss", {}, "", "bitwise", "equal", None, L_BASE),
+    ("pp8-vpp4-mtp-standalone", "pp8-vpp4-mtp-standalone", {}, "", "bitwise", "equal", None, L_BASE),
+    ("pp2-1f1b-mtp-with-loss", "pp2-1f1b-mtp-with-loss", {}, "", "bitwise", "equal", None, L_BASE),
+    ("pp1-no-pipelining", "pp1-no-pipelining", {}, "", "may_diverge", "differs only where allowed",
+     (1, "grad", "embedding.word_embeddings.weight"), L_P1),
+]
+_CLIP_REF = "clip/pp16-vpp2-mtp-standalone"
+for _lay, _fd, _loss in (("pp16-vpp2-mtp-standalone", (0, "param", "decoder.layers.0.mlp.linear_fc1.weight"), L_CLIP),
+                         ("pp16-vpp2-mtp-with-loss", None, L_CLIP),
+                         ("pp8-vpp4-mtp-standalone", (1, "grad_norm", "grad norm"), L_CLIP_PP8),
+                         ("pp2-1f1b-mtp-with-loss", (1, "grad_norm", "grad norm"), L_CLIP_PP2),
+                         ("pp1-no-pipelining", (1, "grad", "embedding.word_embeddings.weight"), L_CLIP_PP1)):
+    DSV3_RUNS.append((f"clip/{_lay}", _lay, {"clip_grad": 0.05}, "" if _fd and _fd[1] == "param" else _CLIP_REF,
+                      "may_diverge", "equal" if _fd is None else "differs only where allowed", _fd, _loss))
+for _lay in DSV3_LAYOUTS:
+    DSV3_RUNS.append((f"canonical/{_lay}", _lay, {"reductions": "canonical"}, "", "bitwise", "equal", None, L_BASE))
+for _lay in DSV3_LAYOUTS:
+    _first = _lay == "pp16-vpp2-mtp-standalone"
+    DSV3_RUNS.append((f"canonical-clip/{_lay}", _lay, {"reductions": "canonical", "clip_grad": 0.05},
+                      _CLIP_REF if _first else "canonical-clip/pp16-vpp2-mtp-standalone",
+                      "diverge" if _first else "bitwise", "differs as expected" if _first else "equal",
+                      (0, "grad_norm", "grad norm") if _first else None, L_CANON_CLIP))
+for _lay in ("pp16-vpp2-mtp-standalone", "pp16-vpp2-mtp-with-loss", "pp8-vpp4-mtp-standalone", "pp1-no-pipelining"):
+    DSV3_RUNS.append((f"overlap/{_lay}", _lay, {"overlap": True, "delay": _lay != "pp8-vpp4-mtp-standalone"},
+                      "" if _lay == "pp16-vpp2-mtp-standalone" else _lay, "bitwise", "equal", None,
+                      L_P1 if _lay == "pp1-no-pipelining" else L_BASE))
+DSV3_RUNS += [
+    ("ep2/pp16-vpp2-mtp-standalone", "pp16-vpp2-mtp-standalone", {"ep": 2}, "", "bitwise", "equal", None, L_BASE),
+    (FAILING_RUN, "pp2-1f1b-mtp-with-loss", {"ep": 2}, "pp2-1f1b-mtp-with-loss", "bitwise", "unexpected difference",
+     (1, "grad", "decoder.layers.40.mlp.experts.3.linear_fc1.weight"), L_BROKEN),
+    ("ep2/canonical-clip/pp8-vpp4-mtp-standalone", "pp8-vpp4-mtp-standalone",
+     {"ep": 2, "reductions": "canonical", "clip_grad": 0.05}, "canonical-clip/pp8-vpp4-mtp-standalone", "bitwise",
+     "equal", None, L_CANON_CLIP),
+    ("ep2/canonical-clip/pp16-vpp2-mtp-with-loss", "pp16-vpp2-mtp-with-loss",
+     {"ep": 2, "reductions": "canonical", "clip_grad": 0.05}, "canonical-clip/pp16-vpp2-mtp-with-loss", "bitwise",
+     "equal", None, L_CANON_CLIP),
+    (ERRORED_RUN, "pp16-vpp2-mtp-with-loss", {"ep": 2, "overlap": True, "delay": True},
+     "overlap/pp16-vpp2-mtp-with-loss", "bitwise", "error", None, None),
+    # three more than cases/dsv3.yaml, so the fixture has 30+ runs and two more option groups
+    ("ep2/clip/pp8-vpp4-mtp-standalone", "pp8-vpp4-mtp-standalone", {"ep": 2, "clip_grad": 0.05},
+     "clip/pp8-vpp4-mtp-standalone", "may_diverge", "differs only where allowed", (1, "grad_norm", "grad norm"),
+     L_EP_CLIP),
+    ("ep2/canonical/pp1-no-pipelining", "pp1-no-pipelining", {"ep": 2, "reductions": "canonical"},
+     "canonical/pp1-no-pipelining", "bitwise", "equal", None, L_BASE),
+    ("ep2/canonical/pp2-1f1b-mtp-with-loss", "pp2-1f1b-mtp-with-loss", {"ep": 2, "reductions": "canonical"},
+     "canonical/pp2-1f1b-mtp-with-loss", "bitwise", "equal", None, L_BASE),
+]
+
+
+def _dsv3_timeline(layout_key: str, overlap: bool) -> list[dict]:
+    from dataclasses import asdict
+
+    from reference_impl.layout import PipelineLayout
+    from reference_impl.schedule import build_schedule, timeline
+    text, pp = DSV3_LAYOUTS[layout_key]
+    layout = PipelineLayout.from_string(text, pp, 61, 1)
+    cells, _ = timeline(build_schedule(layout, 16, 16, 1, 32, overlap))
+    return [asdict(c) for c in cells]
+
+
+def make_dsv3_like() -> CaseResult:
+    """cases/dsv3.yaml's 29 runs plus three (32), with the real P x V x microbatch schedules, nine groups of
+    bitwise-identical loss curves, one unexpected difference (outside its signature, with ULP evidence and a
+    canonical-order line), one error and one golden comparison that differs."""
+    timelines: dict = {}
+    variants = []
+    for name, lay, opts, ref, expect, outcome, fd, losses in DSV3_RUNS:
+        text, pp = DSV3_LAYOUTS[lay]
+        overlap = bool(opts.get("overlap"))
+        key = (lay, overlap)
+        if key not in timelines:
+            timelines[key] = _dsv3_timeline(lay, overlap)
+        verdict = {"error": "error", "unexpected difference": "fail"}.get(outcome, "pass")
+        first = None if fd is None else FirstDivergence(step=fd[0], kind=fd[1], microbatch=None, name=fd[2],
+                                                         detail=f"{fd[1]} bits differ at step {fd[0]}")
+        v = VariantResult(
+            name=name, layout=text, pp=pp, vpp=(4 if pp == 8 else 2 if pp == 16 else 1),
+            mtp_standalone="standalone" in lay, expect=expect, verdict=verdict,
+            bitwise_equal=None if verdict == "error" else fd is None, first_divergence=first,
+            reason={"error": "rank 3 exited with code 1: RuntimeError: boom"}.get(outcome, outcome),
+            error="Traceback ...\nRuntimeError: boom" if verdict == "error" else None,
+            layout_grid="\n".join(f"rank {r}: ..." for r in range(pp)),
+            options={k: val for k, val in opts.items() if k in ("clip_grad", "reductions")},
+            series=_series(losses) if losses else StepSeries(), elapsed_s=20.0 + len(variants),
+            run_dir="runs/" + re.sub(r"[^A-Za-z0-9._-]+", "_", name), compare_to=ref or DSV3_RUNS[0][0],
+            reductions=opts.get("reductions", "megatron"), clip_grad=opts.get("clip_grad", 0.0),
+            timeline=timelines[key], bubble_fraction=0.25, expert_model_parallel_size=opts.get("ep", 1),
+            overlap=overlap, delay_wgrad=bool(opts.get("delay")), outcome=outcome,
+            command=f"bitparity verify cases/dsv3.yaml --only {name}",
+            family_mismatches={} if verdict == "error" else {
+                "grad": [{}, {"experts": 3 if fd else 0}, {"experts": 40 if fd else 0}],
+                "param": [{}, {"experts": 2 if fd else 0}, {"experts": 812 if fd else 0}]},
+            replica_status={} if verdict == "error" else {"consistent": True, "first_broken_step": None,
+                                                          "replicas": [REPLICA], "detail": "ok"})
+        variants.append(v)
+    by_name = {v.name: v for v in variants}
+    bad = by_name[FAILING_RUN]
+    bad.outside_signature = list(OUTSIDE)
+    bad.first_divergence.canonical = CANONICAL_LINE
+    bad.ulp_evidence = [dict(P1_GRAD), dict(WIDE_PARAM)]
+    by_name["ep2/canonical/pp1-no-pipelining"].golden = {
+        "status": "differs", "first_divergence": {"step": 2, "kind": "param", "name": "output_layer.weight"},
+        "detail": "param bits differ from the golden trace"}
+    return CaseResult(case="dsv3", case_path="cases/dsv3.yaml", baseline=DSV3_RUNS[0][0], variants=variants,
+                      elapsed_s=565.0, environment={"torch": "2.13.0", "threads": 1},
+                      command="bitparity verify cases/dsv3.yaml",
+                      golden={"dir": "golden/dsv3", "environment": "same", "verdict": "fail"})
+
+
+@pytest.fixture(scope="module")
+def dsv3() -> CaseResult:
+    return make_dsv3_like()
+
+
+def test_dsv3_matrix_is_layouts_by_option_groups(dsv3):
+    html = report.render_html(dsv3)
+    m = _matrix(html)
+    rows = re.findall(r'<th class="row"[^>]*>(.*?)<span class="layout">', m, re.S)
+    assert [r.strip() for r in rows] == ["P16 · V2 · MTP standalone", "P16 · V2 · MTP with the loss",
+                                         "P8 · V4 · MTP standalone", "P2 · V1 · MTP with the loss",
+                                         "P1 · no pipelining · MTP with the loss"]
+    heads = [re.findall(r"<span>(.*?)</span>", h) for h in re.findall(r'<th class="col" title="[^"]*">(.*?)</th>', m,
+                                                                       re.S)]
+    assert heads[:4] == [["megatron", "clip off"], ["megatron", "clip 0.05"], ["canonical", "clip off"],
+                         ["canonical", "clip 0.05"]]
+    assert ["megatron", "clip off", "overlap + delayed wgrad"] in heads and ["megatron", "clip off", "EP 2"] in heads
+    assert len(heads) == 11
+    cells = _matrix_cells(html)
+    assert len(cells) == len(dsv3.variants) == 32
+    assert len({(c["row"], c["col"]) for c in cells}) == 32          # one run per cell
+    by_run = {c["run"]: c for c in cells}
+    assert by_run[FAILING_RUN]["cls"] == ["unexpected"]
+    assert "first divergence: step 1 · grad · decoder.layers.40.mlp.experts.3.linear_fc1.weight" in \
+        by_run[FAILING_RUN]["title"]
+    assert f"in canonical order: {CANONICAL_LINE}" in by_run[FAILING_RUN]["title"]
+    assert by_run[ERRORED_RUN]["cls"] == ["error"]
+    assert by_run["pp16-vpp2-mtp-standalone"]["cls"] == ["reference", "is-ref"]
+    assert by_run["clip/pp8-vpp4-mtp-standalone"]["cls"] == ["allowed", "is-ref"]
+    assert by_run["canonical-clip/pp16-vpp2-mtp-standalone"]["cls"] == ["expected", "is-ref"]
+    assert by_run["canonical/pp16-vpp2-mtp-with-loss"]["cls"] == ["equal"]
+    # the golden comparison that differs is marked in its cell
+    golden_cell = re.search(r'data-run="ep2/canonical/pp1-no-pipelining">(.*?)</a>', m).group(1)
+    assert 'class="golden"' in golden_cell and "G≠" in golden_cell
+    assert '<p class="headline golden-line small">golden trace <code>golden/dsv3</code>' in html
+
+
+def test_dsv3_failing_card_shows_outside_signature_and_canonical_line(dsv3):
+    html = report.render_html(dsv3)
+    card = html.split('id="card-ep2-pp2-1f1b-mtp-with-loss"', 1)[1].split('<div class="variant', 1)[0]
+    block = re.search(r'<div class="outside">(.*?)</div>', card, re.S).group(1)
+    assert "3 differences outside the expected signature" in block
+    assert re.findall(r"<li>(.*?)</li>", block) == [OUTSIDE[0], OUTSIDE[1], "step 2 param &lt;all&gt; … and 812 more"]
+    fd = re.search(r'<dd class="first-divergence">(.*?)</dd>', card, re.S).group(1)
+    assert fd.index("decoder.layers.40.mlp") < fd.index("in canonical order") < fd.index("decoder.layers.3.mlp.router")
+    # ... and is counted in the failing run's line under the matrix
+    sec = html.split('<section id="matrix">', 1)[1].split("</section>", 1)[0]
+    assert ('<a class="outside-count" href="#card-ep2-pp2-1f1b-mtp-with-loss">3 differences outside the expected '
+            'signature</a>') in sec
+    # outside the signature shows above the structural checks, the golden status in the card it belongs to
+    assert card.index('<div class="outside">') < card.index("<h4>Structural checks</h4>")
+    golden_card = html.split('id="card-ep2-canonical-pp1-no-pipelining"', 1)[1].split('<div class="variant', 1)[0]
+    assert re.search(r'<dd class="golden-status golden-differs">differs · step 2 · param · output_layer.weight',
+                     golden_card)
+    # the run list repeats the canonical line; summary.md and summary.json carry both
+    assert f"in canonical order: <span class=\"mono\">{CANONICAL_LINE}</span>" in html
+    md = report.markdown_summary(dsv3)
+    assert f"- ep2/pp2-1f1b-mtp-with-loss: {report.md_cell(CANONICAL_LINE)}" in md
+    assert "**ep2/pp2-1f1b-mtp-with-loss**: 3 differences outside the expected signature:" in md
+    assert "Golden trace golden/dsv3: ❌ fail · environment same" in md
+    assert "- ep2/canonical/pp1-no-pipelining: differs · step 2 · param · output\\_layer.weight" in md
+    s = report.summary_dict(dsv3)
+    bad = next(v for v in s["variants"] if v["name"] == FAILING_RUN)
+    assert bad["outside_signature"] == OUTSIDE and bad["first_divergence"]["canonical"] == CANONICAL_LINE
+    assert s["golden"] == {"dir": "golden/dsv3", "environment": "same", "verdict": "fail"}
+    junit = ET.fromstring(report.junit_xml(dsv3))
+    text = next(c for c in junit.iter("testcase") if c.get("name") == FAILING_RUN).find("failure").text
+    assert "differences outside the expected signature (3):" in text and f"in canonical order: {CANONICAL_LINE}" in text
+
+
+def test_dsv3_loss_curves_grouped_by_identical_bits(dsv3):
+    groups = report.loss_groups(dsv3)
+    sizes = [len(g["members"]) for g in groups]
+    assert len(groups) == 9 and sum(sizes) == 31                      # the errored run has no losses
+    assert groups[0]["label"] == f"{sizes[0]} runs, bitwise identical" and sizes[0] == 15
+    assert groups[0]["members"][0].name == dsv3.baseline
+    svg = report.loss_curves_svg(dsv3)
+    root = ET.fromstring(svg)
+    curves = [g for g in root.iter(f"{SVG_NS}g") if g.get("class") == "loss-group"]
+    assert len(curves) == 9                                           # each group drawn once
+    legend = [g for g in root.iter(f"{SVG_NS}g") if g.get("class") == "legend-item"]
+    assert [g.find(f"{SVG_NS}text").text for g in legend][:2] == ["15 runs, bitwise identical", "2 runs, bitwise identical"]
+    # the legend lies below the axes: no legend text above the plot's bottom edge
+    axis_y = max(float(line.get("y1")) for line in root.iter(f"{SVG_NS}line") if line.get("stroke") == "#8c959f")
+    assert min(float(g.find(f"{SVG_NS}text").get("y")) for g in legend) > axis_y + 20
+    assert report.loss_curves_svg(dsv3) == svg
+    html = report.render_html(dsv3)
+    items = re.findall(r"<li><span class=\"swatch\"[^>]*></span><strong>(.*?)</strong>", html)
+    assert items[0] == "15 runs, bitwise identical" and len(items) == 9
+
+
+def test_dsv3_report_size_and_detail_pages(tmp_path, dsv3):
+    paths = report.write_report(dsv3, tmp_path)
+    size = paths["index.html"].stat().st_size
+    print(f"\ndsv3-shaped index.html: {size} bytes ({len(dsv3.variants)} runs)")
+    assert size < 500_000                                              # the issue asks < 2 MB
+    html = paths["index.html"].read_text(encoding="utf-8")
+    assert html.count("<svg") == 1                                     # the loss chart; the rest on detail pages
+    detail = tmp_path / "runs" / "pp16-vpp2-mtp-standalone" / "index.html"
+    assert detail.is_file() and 'class="timeline-svg"' in detail.read_text(encoding="utf-8")
+    # every link to a run file exists
+    for link in set(re.findall(r'href="(runs/[^"#]+)', html)):
+        assert (tmp_path / link).exists(), link
+
+
+def test_dsv3_chrome_trace_files(tmp_path, dsv3):
+    paths = report.write_report(dsv3, tmp_path)
+    for i, v in enumerate(dsv3.variants):
+        rel = f"{v.run_dir}/schedule.trace.json"
+        trace = json.loads(paths[rel].read_text())
+        events = trace["traceEvents"]
+        xs = [e for e in events if e["ph"] == "X"]
+        assert len(xs) == len(v.timeline)                              # one per compute action
+        names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+        assert names == {f"pp rank {r}" for r in range(v.pp)}
+        assert trace["otherData"]["measured"] is False
+    trace = json.loads(paths["runs/pp16-vpp2-mtp-standalone/schedule.trace.json"].read_text())
+    first = min((e for e in trace["traceEvents"] if e["ph"] == "X"), key=lambda e: (e["pid"], e["ts"]))
+    assert first["name"] == "F mb0 s0" and first["ts"] == 0 and first["dur"] == 1000 and first["tid"] == 0
+    overlap = json.loads(paths["runs/overlap_pp16-vpp2-mtp-standalone/schedule.trace.json"].read_text())
+    assert any(" + B mb" in e["name"] for e in overlap["traceEvents"] if e["ph"] == "X")
+
+
+def test_chrome_trace_adds_measured_times_when_the_trace_has_them(tmp_path, result):
+    v = result.variants[1]
+    run_trace = {"steps": [{"actions": {"0": [{"op": "F", "stage": 0, "microbatch": 0, "start_s": 0.0,
+                                               "end_s": 0.002}],
+                                        "1": [{"op": "B", "stage": 1, "microbatch": 0, "start_s": 0.001,
+                                               "end_s": 0.004}, {"op": "F", "stage": "x"}]}},
+                           {"actions": {"0": [{"op": "F", "stage": 0, "microbatch": 1, "start_s": 0.0,
+                                               "end_s": 0.001}]}}]}
+    trace = report.chrome_trace(v, run_trace)
+    measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] >= 1000]
+    assert [(e["pid"], e["tid"], e["name"], e["ts"], e["dur"]) for e in measured] == [
+        (1000, 0, "F mb0 s0", 0.0, 2000.0), (1001, 0, "B mb0 s1", 1000.0, 3000.0), (1000, 1, "F mb1 s0", 4000.0, 1000.0)]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"pp rank 0", "pp rank 1", "measured · pp rank 0", "measured · pp rank 1"}
+    assert trace["otherData"]["measured"] is True
+    assert report.chrome_trace(_variant(timeline=[]), run_trace) is None
+    # the detail page says which it holds
+    (tmp_path / "runs" / "pp2_vpp2").mkdir(parents=True)
+    (tmp_path / "runs" / "pp2_vpp2" / "trace.json").write_text(json.dumps(run_trace))
+    assert "measured per-action times" in report.render_run_page(result, 1, tmp_path)
+    assert "Planned only" in report.render_run_page(result, 1)

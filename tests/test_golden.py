@@ -1,0 +1,127 @@
+"""Goldens (harness.golden): a change that moves every layout alike passes the layout comparison and fails
+the golden check, naming the first tensor computed differently; a golden from another environment is
+reported as such before any bit is compared.
+
+The planted bugs are real code changes (tests/planted.py) of the kind measured in issue #14: the MoE aux-loss
+scale divided by num_microbatches twice, the LM loss normalised per sample instead of per token."""
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from harness import golden
+from harness.errors import UsageError
+from harness.trace import StepTrace, Trace
+from planted import planted_tree, run_planted
+
+GOLDENS = ROOT / "goldens" / "smoke"
+ONLY = ("--only", "pp2-mtp-with-loss", "--only", "pp4-mtp-standalone")
+ROUTER = "mtp.layers.0.transformer_layer.mlp.router.weight"
+PLANTED = {
+    "aux_loss_scale_twice": {"reference_impl/train.py": [(
+        "layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)",
+        "layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches) / t.num_microbatches")]},
+    "lm_loss_per_sample": {"reference_impl/model/losses.py": [(
+        "    lm_loss = loss_sum / num_tokens.clamp(min=1)\n",
+        "    per_token = token_ce(head, h0, labels) * loss_mask\n"
+        "    lm_loss = (per_token.sum(-1) / loss_mask.sum(-1).clamp(min=1)).mean()\n")]},
+}
+
+
+@pytest.fixture
+def golden_env(monkeypatch):
+    """The arithmetic the shipped goldens are recorded under (Makefile GOLDEN_ENV)."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+
+
+def _trace(fp="aaaa", loss="0x3f800000"):
+    meta = {"key": "output_layer.weight", "name": "output_layer.weight", "replica": None, "shape": [4, 4],
+            "dtype": "float32", "family": "embedding/head", "weight_decay": True, "order": [4, 0, 0], "rank": 1}
+    step = StepTrace(step=0, losses=[{"microbatch": 0, "lm": {"hex": loss, "value": 1.0}, "mtp": [],
+                                      "num_tokens": 4}], grads={"output_layer.weight": fp},
+                     params={"output_layer.weight": "bbbb"}, time_s={"0": 0.1})
+    return Trace(format="bitparity-trace/2", params={"output_layer.weight": meta}, order=["output_layer.weight"],
+                 init={"output_layer.weight": "cccc"}, steps=[step], world_size=2)
+
+
+KEY = {"torch": "2.13.0+cpu", "aten_cpu_capability": "DEFAULT", "mkl_cbwr": "COMPATIBLE"}
+REF = {n: {"trainer": "reference"} for n in ("a", "b", "new")}
+
+
+def test_golden_round_trip_and_a_changed_bit(tmp_path):
+    golden.write(tmp_path, "c", {"a": _trace(), "b": _trace()}, {"a": "a", "b": "b"}, KEY, {"cpu_model": "x"}, REF)
+    index = golden.load_index(tmp_path, "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "golden.json"]     # identical bits: one file
+    case, per = golden.check(tmp_path, index, {"a": _trace(), "b": _trace(fp="dddd")}, KEY, REF)
+    assert per["a"]["status"] == "equal" and case["verdict"] == "fail"
+    assert per["b"]["status"] == "differs" and per["b"]["first_divergence"]["name"] == "output_layer.weight"
+    assert per["b"]["detail"].startswith("first difference from the golden: step 0 grad output_layer.weight")
+    case, per = golden.check(tmp_path, index, {"a": _trace(), "new": _trace()}, KEY, REF)
+    assert per["new"]["status"] == "missing" and case["verdict"] == "fail"
+
+
+def test_another_environment_is_reported_before_any_bit(tmp_path):
+    golden.write(tmp_path, "c", {"a": _trace()}, {"a": "a"}, KEY, {}, REF)
+    here = {**KEY, "aten_cpu_capability": "AVX512"}
+    case, per = golden.check(tmp_path, golden.load_index(tmp_path, "c"), {"a": _trace(fp="dddd")}, here, REF)
+    assert case["verdict"] == "fail" and per["a"]["status"] == "other environment"
+    assert per["a"]["first_divergence"] is None                      # no bit compared
+    assert case["environment"] == "other environment: aten_cpu_capability 'DEFAULT' (golden) vs 'AVX512' (here)"
+    case, per = golden.check(tmp_path, golden.load_index(tmp_path, "c"), {"a": _trace()}, KEY,
+                             {"a": {"trainer": "megatron-core", "megatron_core": "0.16.1"}})
+    assert per["a"]["status"] == "other environment" and "trainer 'reference' (golden)" in per["a"]["detail"]
+
+
+def test_bad_golden_directories_are_one_line(tmp_path, cli):
+    with pytest.raises(UsageError, match="no golden.json there"):
+        golden.load_index(tmp_path, "smoke")
+    with pytest.raises(UsageError, match="the goldens are of case 'smoke', not 'other'"):
+        golden.load_index(GOLDENS, "other")
+    (tmp_path / "x.txt").write_text("mine")
+    with pytest.raises(UsageError, match="not empty and holds no golden.json"):
+        golden.check_writable(tmp_path)
+    proc = cli("verify", "cases/smoke.yaml", "--golden", tmp_path / "nope", "--out", tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no golden.json" in proc.stderr
+    proc = cli("verify", "cases/smoke.yaml", "--golden", GOLDENS, "--write-golden", tmp_path, "--out", tmp_path)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+def test_shipped_goldens_are_small_and_cover_the_smoke_case():
+    index = json.loads((GOLDENS / "golden.json").read_text())
+    assert sum(p.stat().st_size for p in GOLDENS.iterdir()) < 512 * 1024
+    assert set(index["variants"]) == {"pp2-mtp-with-loss", "pp4-mtp-standalone", "pp2-vpp2-mtp-with-loss",
+                                      "pp4-vpp2-mtp-standalone", "pp1", "canonical/pp1"}
+    assert index["environment"]["aten_cpu_capability"] == "DEFAULT" and index["environment"]["mkl_cbwr"] == "COMPATIBLE"
+
+
+def _verify(tree: Path, out: Path):
+    proc = run_planted(tree, "verify", ROOT / "cases/smoke.yaml", *ONLY, "--golden", GOLDENS, "--out", out)
+    summary = {n: json.loads((out / f"smoke/runs/{n}/comparison.json").read_text()) for n in ONLY[1::2]}
+    return proc, summary
+
+
+@pytest.mark.slow
+def test_clean_code_matches_the_goldens(tmp_path, golden_env):
+    proc, runs = _verify(planted_tree(tmp_path / "tree", {}), tmp_path / "out")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert all(r["golden"]["status"] == "equal" for r in runs.values()), runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_a_change_that_moves_every_layout_alike_fails_the_golden(tmp_path, golden_env, bug):
+    proc, runs = _verify(planted_tree(tmp_path / "tree", PLANTED[bug]), tmp_path / "out")
+    # every layout gets the same wrong numbers: the layout comparison passes (the gap) ...
+    assert runs["pp4-mtp-standalone"]["verdict"] == "pass", runs["pp4-mtp-standalone"]["reason"]
+    # ... and the goldens catch it, at step 0, naming where it is computed first (dataflow order)
+    assert proc.returncode == 1 and "golden fail" in proc.stdout, proc.stdout[-2000:]
+    for r in runs.values():
+        g = r["golden"]
+        assert g["status"] == "differs" and g["first_divergence"]["step"] == 0, g
+    fd = runs["pp2-mtp-with-loss"]["golden"]["first_divergence"]
+    if bug == "aux_loss_scale_twice":     # only the backward of the aux loss changes: the last MoE layer's router
+        assert (fd["kind"], fd["name"]) == ("grad", ROUTER), fd
+    else:                                 # the reported LM loss is another number
+        assert fd["kind"] == "loss", fd
