@@ -301,6 +301,10 @@ def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: l
         raise UsageError(f"{where}: step {x.step}: only step 0 starts both trainers from identical weights; after "
                          "one update they already differ (Adam turns a few ULP of gradient into up to a whole lr), so "
                          "a later step's gradients are taken at other weights and the ULP bound means nothing")
+    if run.config.model.moe_router_init_method_std is not None:
+        raise UsageError(f"{where}: model.moe_router_init_method_std makes router top-k ties, and the trainers break "
+                         "them differently by design (reference: the lower expert index; megatron-core: torch.topk, "
+                         "whose order among equal values is unspecified): compare a case without it")
     mine = run.config.model_copy(update={"params_dtype": x.params_dtype})
     other = mine.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
     problem = trainers.problem(mine) or trainers.problem(other)

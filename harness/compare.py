@@ -183,7 +183,10 @@ def compare(base: Trace, other: Trace) -> Comparison:
         diffs += [Difference(bs.step, "grad", k) for k in grads]
         counts["grad"].append(_per_family(grads, families))
         if grads and first is None:
-            k = grads[-1]                  # backward order: the last in canonical order is computed first
+            # backward order: the last in canonical order is computed first; of a tensor and its replicas
+            # (same order key) the original is named
+            last = base.params[grads[-1]]["order"]
+            k = next(g for g in grads if base.params[g]["order"] == last)
             first = FirstDivergence(bs.step, "grad", None, k,
                                     f"grad fingerprint {bs.grads.get(k)} vs {os_.grads.get(k)}")
             if grads[0] != k:

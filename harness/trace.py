@@ -24,8 +24,9 @@ class TraceError(Exception):
 
 @dataclass
 class StepTrace:
-    """One training step of a merged run: losses per microbatch, grad norm and clip coefficient, and the
-    fingerprints of every gradient, parameter, buffer and (capture: activations) in-step tensor."""
+    """One training step of a merged run: losses per microbatch, grad norm and clip coefficient, the
+    fingerprints of every gradient, parameter, buffer and (capture: activations) in-step tensor, and the router
+    tie counts (a diagnostic, not compared)."""
 
     step: int
     losses: list = field(default_factory=list)       # per microbatch: {microbatch, lm, mtp, num_tokens}

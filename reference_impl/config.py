@@ -101,6 +101,14 @@ class ModelConfig(_Strict):
     mtp_num_layers: int = Field(1, ge=0, le=64)
     mtp_loss_scaling_factor: float = Field(0.1, ge=0)
     init_method_std: float = Field(0.02, gt=0)
+    # Router weight init std (None = init_method_std), named after Megatron's `embedding_init_method_std`;
+    # Megatron itself initialises the router with init_method.  Exists to make router top-k ties happen: the
+    # router input is RMS-normalised (|x| = sqrt(hidden)), so a logit is ~N(0, std^2 * hidden); with the
+    # default std (0.02) every sigmoid score sits near 0.5, no two are ever equal, and a tie-break bug on one
+    # code path moves no bit (measured: 0 ties).  A wide std (hidden 32: 5-20) saturates the sigmoid, so many
+    # scores round to exactly 1.0 in fp32 (logit > ~16.6) and tie at the top-k and group-top-k boundaries
+    # (counted in the trace's `router_ties`).  Upper bound: far past saturation, and the logits stay finite.
+    moe_router_init_method_std: Optional[float] = Field(None, gt=0, le=1000.0)
     # Fixed by design: untied head (the clean case of megatron-semantics §2.6) and no dropout (no RNG in forward).
     untie_embeddings_and_output_weights: Literal[True] = True
     hidden_dropout: Literal[0.0] = 0.0

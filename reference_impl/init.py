@@ -3,7 +3,9 @@
 Megatron seeds per pipeline rank (megatron-semantics §7.3), which makes init layout-dependent; here each
 tensor draws from its own generator seeded with ``blake2b(seed, global name)``, on the CPU, in fp32.
 Distributions follow Megatron's defaults: matrices N(0, std); output projections (``linear_proj``,
-``linear_fc2``) N(0, std/sqrt(2·num_layers)) (scaled_init_method_normal); norm weights 1.
+``linear_fc2``) N(0, std/sqrt(2·num_layers)) (scaled_init_method_normal); norm weights 1.  Router weights
+(``….mlp.router.weight``, decoder and MTP layers alike) use ``moe_router_init_method_std`` when set (a wide std
+that makes router top-k ties happen, `config.ModelConfig`), else ``init_method_std``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ def init_parameters(module, cfg: ModelConfig, seed: int) -> None:
         if param.ndim < 2:
             param.fill_(1.0)
             continue
-        std = scaled_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else cfg.init_method_std
+        if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            std = scaled_std
+        elif name.endswith("router.weight") and cfg.moe_router_init_method_std is not None:
+            std = cfg.moe_router_init_method_std
+        else:
+            std = cfg.init_method_std
         gen = torch.Generator().manual_seed(name_seed(seed, name))
         param.copy_(torch.normal(0.0, std, size=tuple(param.shape), generator=gen))

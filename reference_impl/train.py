@@ -28,6 +28,7 @@ from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
 from .layout import PipelineLayout
 from .model.chunk import Microbatch, StageChunk
 from .model.expert_parallel import ExpertParallel
+from .model.moe import Router
 from .schedule import build_schedule
 
 
@@ -122,6 +123,14 @@ class RankState:
         bufs = self.named_buffers()
         return dict(zip((n for n, _ in bufs), fingerprint_hex_many([b for _, b in bufs])))
 
+    def router_ties(self) -> dict:
+        """{router global name (``decoder.layers.1.mlp.router``, ``mtp.layers.0.transformer_layer.mlp.router``):
+        {"topk": n, "group": n}} for the routers this rank holds: the tokens of this step whose expert / group
+        selection a tie decided (`model.moe.Router.take_ties`, which resets the counts).  A diagnostic for the
+        trace, not a compared buffer: it says whether a tie-break difference could have moved a bit."""
+        return {name: module.take_ties() for chunk in self.chunks.values()
+                for name, module in chunk.named_modules() if isinstance(module, Router)}
+
 
 def make_optimizer(state: RankState) -> torch.optim.Optimizer:
     """AdamW (β1, β2 from the config), weight decay on matrices only; the single-tensor (non-foreach)
@@ -198,6 +207,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         record["grads"], record["params"] = state.resolve(grads), state.resolve(params)
         record["buffers"] = state.buffers()
+        record["router_ties"] = state.router_ties()
         if outs:
             record["losses"] = [{"microbatch": m, "lm": scalar(o.lm_loss), "num_tokens": int(o.num_tokens.item()),
                                  "mtp": [scalar(x) for x in o.mtp_losses]} for m, o in enumerate(outs)]

@@ -113,7 +113,8 @@ def test_swapped_backward_order_moves_the_grads_of_that_stage(report):
     if v["bitwise_equal"]:
         pytest.skip("the swapped sums round alike on this machine")
     assert v["verdict"] == "fail" and (fd["step"], fd["kind"]) == (0, "grad")
-    assert fd["name"].startswith(("decoder.layers.2.", "decoder.layers.3."))     # the stage holding t2 t3
+    # the stage holding t2 t3 and the final norm (which of its tensors rounds apart first may differ)
+    assert fd["name"].startswith(("decoder.layers.2.", "decoder.layers.3.", "decoder.final_layernorm."))
 
 
 @pytest.mark.slow

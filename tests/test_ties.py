@@ -246,3 +246,14 @@ def test_planted_tie_break_is_caught_at_step_0_by_the_ties_case(planted, tmp_pat
     v = variants[STANDALONE]
     assert v["verdict"] == "fail" and not v["bitwise_equal"], v
     assert v["first_divergence"]["step"] == 0, v["first_divergence"]
+
+
+def test_cross_implementation_with_router_ties_is_refused(tmp_path, cli):
+    """megatron-core breaks top-k ties with torch.topk (measured on CPU: not the lower index), the reference
+    with the lower index: under ties the two trainers differ by design, so the comparison is refused."""
+    case = (ROOT / "cases" / "ties.yaml").read_text() + "cross_implementation: {variant: pp4-mtp-standalone}\n"
+    (tmp_path / "x.yaml").write_text(case)
+    proc = cli("verify", tmp_path / "x.yaml", "--out", tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "moe_router_init_method_std makes router top-k ties" in proc.stderr
+    assert not (tmp_path / "ties").exists()

@@ -19,15 +19,61 @@ from .expert_parallel import (ExpertParallel, RepeatRows, all_to_all, gather_sha
                               take_shard, unsort_chunks)
 
 
+def _sort_stable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Descending sort along the last dim, equal values in ascending index order (stable), so the top-k of
+    any prefix breaks ties by the lower index on every path.  (Megatron uses ``torch.topk``, whose tie order is
+    unspecified: on CPU it does not prefer the lower index.)"""
+    return torch.sort(x, dim=-1, descending=True, stable=True)
+
+
 def _topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim, ties broken by the lower index on every path (stable descending sort)."""
-    values, index = torch.sort(x, dim=-1, descending=True, stable=True)
+    values, index = _sort_stable(x)
     return values[..., :k], index[..., :k]
 
 
+def boundary_ties(sorted_values: torch.Tensor, k: int) -> torch.Tensor:
+    """Number of rows (int64 scalar) whose top-k *set* a tie decides: the k-th and (k+1)-th largest values are
+    equal, so the tie-break alone picks which of them is selected.
+
+    sorted_values [t, n], each row in descending order (`_sort_stable`); 1 <= k.  k >= n: there is no (k+1)-th
+    value, so no row can tie (0).  Ties among the top k (or among the rest) are not counted: they change only the
+    order of the selected ones, never the set.  (That order reaches the bits only through the fixed-order top-K
+    combine sum, and only for K > 2: a sum of two terms commutes.)"""
+    if k >= sorted_values.shape[-1]:
+        return torch.zeros((), dtype=torch.int64, device=sorted_values.device)
+    return (sorted_values[..., k - 1] == sorted_values[..., k]).sum()
+
+
+def group_limited_topk(select: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited top-K selection (DeepSeek-V3 §2.1.2, eq. 16 with the node limit; Megatron
+    ``moe_utils.group_limited_topk``, called from ``topk_routing_with_score_function``).
+
+    select [t, E] fp32 (the selection scores: sigmoid scores + expert bias) -> (index [t, K] int64, the selected
+    experts in descending score order; ties [2] int64 = [tokens tied at the top-K boundary, tokens tied at the
+    group boundary], `boundary_ties`).  Group score = sum of the top-(K/group_topk) selection scores of each of
+    the G groups (E/G consecutive experts); keep the top group_topk groups; top-K of the selection scores with
+    the other groups' experts at -inf.  Ties go to the lower group / expert index (stable sorts), on every path.
+    The tie counts are read from the sorted values the selection used: no selected bit depends on them."""
+    t, e, g = select.shape[0], cfg.num_moe_experts, cfg.moe_router_num_groups
+    per_group = cfg.moe_router_topk // cfg.moe_router_group_topk
+    group_scores = _topk_stable(select.view(t, g, e // g), per_group)[0].sum(-1)          # [t, G]
+    group_sorted, group_order = _sort_stable(group_scores)                                 # [t, G] each
+    keep = torch.zeros(t, g, dtype=torch.bool, device=select.device)
+    keep[torch.arange(t, device=select.device).unsqueeze(1), group_order[:, :cfg.moe_router_group_topk]] = True
+    masked = select.masked_fill(~keep.repeat_interleave(e // g, dim=1), float("-inf"))
+    masked_sorted, order = _sort_stable(masked)                                             # [t, E] each
+    ties = torch.stack([boundary_ties(masked_sorted, cfg.moe_router_topk),
+                        boundary_ties(group_sorted, cfg.moe_router_group_topk)])
+    return order[:, :cfg.moe_router_topk], ties
+
+
 class Router(nn.Module):
-    """Sigmoid router.  ``weight`` [E, h]; buffers ``expert_bias`` [E] fp32 (selection only) and
-    ``tokens_per_expert`` [E] int64 (accumulated over all microbatches of a step)."""
+    """Sigmoid router.  ``weight`` [E, h]; buffers ``expert_bias`` [E] fp32 (selection only),
+    ``tokens_per_expert`` [E] int64 (accumulated over all microbatches of a step) and ``tied_tokens`` [2]
+    int64 (tokens whose selection a tie decided: [top-k boundary, group boundary], accumulated over the
+    microbatches of a step; `take_ties` reads and resets it).  ``tied_tokens`` is a diagnostic: it is not
+    persistent (not in ``state_dict``), not fingerprinted, and no computed bit depends on it."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -35,6 +81,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(cfg.num_moe_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_moe_experts, dtype=torch.int64))
+        self.register_buffer("tied_tokens", torch.zeros(2, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [t, h] -> (scores [t, E] fp32 with grad, top-k expert index [t, K] int64, probs [t, K] fp32)."""
@@ -43,22 +90,25 @@ class Router(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [t, h] -> (scores [t, E] fp32 with grad, top-k expert index [t, K] int64); counts the tokens per
-        expert for the bias update.  The routing weights come from `probs`, a separate step so the scores
-        can be fanned out to it and to the aux loss."""
+        expert for the bias update and the tokens whose selection a tie decided (``tied_tokens``).  The
+        selection is `group_limited_topk` on ``scores + expert_bias`` (detached: the bias only selects).  The
+        routing weights come from `probs`, a separate step so the scores can be fanned out to it and to the
+        aux loss."""
         cfg = self.cfg
         scores = torch.sigmoid(torch.matmul(x.float(), self.weight.float().t()))
         select = scores.detach() + self.expert_bias if cfg.moe_router_enable_expert_bias else scores.detach()
-        t, e, g = select.shape[0], cfg.num_moe_experts, cfg.moe_router_num_groups
-        per_group = cfg.moe_router_topk // cfg.moe_router_group_topk
-        group_scores = _topk_stable(select.view(t, g, e // g), per_group)[0].sum(-1)
-        _, groups = _topk_stable(group_scores, cfg.moe_router_group_topk)
-        keep = torch.zeros(t, g, dtype=torch.bool, device=x.device)
-        keep[torch.arange(t, device=x.device).unsqueeze(1), groups] = True
-        masked = select.masked_fill(~keep.repeat_interleave(e // g, dim=1), float("-inf"))
-        _, index = _topk_stable(masked, cfg.moe_router_topk)
+        index, ties = group_limited_topk(select, cfg)
         with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=e)
+            self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=cfg.num_moe_experts)
+            self.tied_tokens += ties
         return scores, index
+
+    def take_ties(self) -> dict[str, int]:
+        """``{"topk": n, "group": n}``: the tokens since the last call whose top-K expert set / kept-group set a
+        tie decided (`boundary_ties`), summed over microbatches; resets the counts (called once per step)."""
+        topk, group = self.tied_tokens.tolist()
+        self.tied_tokens.zero_()
+        return {"topk": topk, "group": group}
 
     def probs(self, scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Top-k routing weights [t, K] fp32: the selected scores, normalised over the K (if K > 1) and
