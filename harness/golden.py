@@ -36,7 +36,7 @@ FORMAT = "bitparity-golden/1"
 KEY_FIELDS = ("torch", "machine", "aten_cpu_capability", "mkl_cbwr", "blas", "blas_version", "gpu", "cuda",
               "cublas", "device", "params_dtype", "num_threads")
 #: StepTrace fields that are not bits of the computation (or are not captured by every run).
-_VOLATILE = ("time_s", "activations", "boundaries", "router_ties")
+_VOLATILE = ("time_s", "activations", "boundaries", "router_ties", "actions")
 
 
 def environment_key(env: dict) -> dict:

@@ -43,6 +43,9 @@ class StepTrace:
     # router global name -> {"topk": n, "group": n}: tokens of the step whose selection a tie decided (optional
     # in the rank trace: {} for trainers that do not record it, e.g. megatron-core)
     router_ties: dict = field(default_factory=dict)
+    # measured compute actions per pp rank (EP rank 0's): {"<pp rank>": [{op, stage, microbatch, start_s, end_s}]};
+    # {} when the trainer records none (megatron-core; CUDA)
+    actions: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +100,16 @@ def _router_order(router: str) -> tuple:
         return (1, (), router)
 
 
+def _align_actions(actions: dict) -> None:
+    """Measured action times are one host's monotonic clock in every rank: make them seconds from the step's
+    first compute action on any rank, so the ranks line up."""
+    starts = [a["start_s"] for items in actions.values() for a in items]
+    t0 = min(starts, default=0.0)
+    for items in actions.values():
+        for a in items:
+            a["start_s"], a["end_s"] = a["start_s"] - t0, a["end_s"] - t0
+
+
 def merge(run_dir: Path, world_size: int) -> Trace:
     """Read ``rank0..rank{world_size-1}.jsonl`` from `run_dir` and merge them.
 
@@ -149,6 +162,8 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                 st.activations.update(rec.get("activations", {}))
                 st.boundaries.update(rec.get("boundaries", {}))
                 st.router_ties.update(rec.get("router_ties", {}))
+                if rec.get("actions"):
+                    st.actions[str(header.get("pp_rank", rank))] = rec["actions"]
             st.time_s[str(rank)] = rec["time_s"]
     counts = {len(st.time_s) for st in steps.values()}
     if counts and counts != {world_size}:
@@ -156,6 +171,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
     order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
     for st in steps.values():       # canonical router order (by the router weight's key), whatever the layout
         st.router_ties = dict(sorted(st.router_ties.items(), key=lambda kv: _router_order(kv[0])))
+        _align_actions(st.actions)
     return Trace(format=FORMAT, params=params, order=order, init=init,
                  steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size)
 

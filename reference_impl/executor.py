@@ -15,6 +15,8 @@ guarantees the order; megatron-semantics §4 "Gradient accumulation").
 """
 from __future__ import annotations
 
+import time
+
 from typing import Optional
 
 import torch
@@ -76,7 +78,15 @@ class StepExecutor:
 
     def run(self, actions: list[Action], microbatches: list[Microbatch]) -> list[LossOutput]:
         """Execute one step's `actions` in order; returns this rank's per-microbatch `LossOutput` s (loss stage).
-        Raises `BoundaryShapeError` when a tensor to send differs from the schedule's shape."""
+        Raises `BoundaryShapeError` when a tensor to send differs from the schedule's shape.
+
+        On CPU each compute action's wall time is kept in `self.timings` ([{op, stage, microbatch, start_s,
+        end_s}]: `time.perf_counter`, CLOCK_MONOTONIC, one clock for every rank process of the host, so the
+        harness can line the ranks up; an FB pair adds b_stage, b_microbatch) for the report's measured
+        schedule timeline.  On CUDA the host only queues kernels, so no time is kept
+        (`timings` stays empty) rather than a misleading one."""
+        self.timings = []
+        clock = time.perf_counter if self.transport.device.type == "cpu" else None
         inputs: dict = {}       # (stage, mb) -> received activation (requires grad)
         plans: dict = {}        # (stage, mb) -> ChunkPlan kept for backward
         grads_in: dict = {}     # (stage, mb) -> received output gradient
@@ -108,6 +118,7 @@ class StepExecutor:
             if a.op in ("F", "B", "FB") and pending:    # sends not followed by a receive go alone
                 works += self.transport.batch(pending, None)[1]
                 pending = []
+            start = clock() if clock and a.op in ("F", "B", "FB") else None
             if a.op == "RECV_F" or a.op == "RECV_B":
                 direction, sender = ("F", a.stage - 1) if a.op == "RECV_F" else ("B", a.stage + 1)
                 tag = _tag(direction, sender, a.microbatch, self.m)
@@ -147,6 +158,10 @@ class StepExecutor:
                 pending.append((g, a.peer, _tag("B", a.stage, a.microbatch, self.m)))
             else:
                 raise ValueError(f"unknown action {a}")
+            if start is not None:
+                self.timings.append({"op": a.op, "stage": a.stage, "microbatch": a.microbatch,
+                                     "start_s": start, "end_s": clock(),
+                                     **({"b_stage": a.b_stage, "b_microbatch": a.b_microbatch} if a.op == "FB" else {})})
         if pending:
             works += self.transport.batch(pending, None)[1]
         for w, _ in works:

@@ -208,6 +208,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
         record["grads"], record["params"] = state.resolve(grads), state.resolve(params)
         record["buffers"] = state.buffers()
         record["router_ties"] = state.router_ties()
+        record["actions"] = executor.timings
         if outs:
             record["losses"] = [{"microbatch": m, "lm": scalar(o.lm_loss), "num_tokens": int(o.num_tokens.item()),
                                  "mtp": [scalar(x) for x in o.mtp_losses]} for m, o in enumerate(outs)]

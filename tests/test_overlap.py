@@ -201,7 +201,9 @@ def summary(tmp_path_factory):
     proc = run_cli("verify", out / "overlap.yaml", "--out", out)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     variants = {v["name"]: v for v in json.loads((out / "overlap" / "summary.json").read_text())["variants"]}
-    proc.html = (out / "overlap" / "index.html").read_text()
+    # the timelines live on each run's detail page (runs/<variant>/index.html)
+    proc.html = (out / "overlap" / "index.html").read_text() + \
+        "".join(p.read_text() for p in sorted((out / "overlap" / "runs").glob("*/index.html")))
     return variants, proc
 
 

@@ -1263,6 +1263,8 @@ ERRORED_RUN = "ep2/overlap/pp16-vpp2-mtp-with-loss"
 OUTSIDE = ["step 1 grad decoder.layers.40.mlp.experts.3.linear_fc1.weight",
            "step 1 grad decoder.layers.40.mlp.experts.3.linear_fc2.weight", "step 2 param <all> … and 812 more"]
 CANONICAL_LINE = "step 1 grad decoder.layers.3.mlp.router.weight: 0x3c23d70a vs 0x3c23d70b"
+# EP=2 replicates every parameter but the routed experts on the second EP rank: hundreds of replica keys
+EP_REPLICAS = [f"decoder.layers.{i}.self_attention.linear_proj.weight@ep1" for i in range(200)]
 
 # (name, layout, options, compare_to, expect, outcome, first divergence (step, kind, name) or None, losses)
 DSV3_RUNS = [
@@ -1360,7 +1362,8 @@ def make_dsv3_like() -> CaseResult:
                 "grad": [{}, {"experts": 3 if fd else 0}, {"experts": 40 if fd else 0}],
                 "param": [{}, {"experts": 2 if fd else 0}, {"experts": 812 if fd else 0}]},
             replica_status={} if verdict == "error" else {"consistent": True, "first_broken_step": None,
-                                                          "replicas": [REPLICA], "detail": "ok"})
+                                                          "replicas": [REPLICA] + EP_REPLICAS * ("ep" in opts),
+                                                          "detail": "ok"})
         variants.append(v)
     by_name = {v.name: v for v in variants}
     bad = by_name[FAILING_RUN]
@@ -1476,6 +1479,12 @@ def test_dsv3_report_size_and_detail_pages(tmp_path, dsv3):
     assert html.count("<svg") == 1                                     # the loss chart; the rest on detail pages
     detail = tmp_path / "runs" / "pp16-vpp2-mtp-standalone" / "index.html"
     assert detail.is_file() and 'class="timeline-svg"' in detail.read_text(encoding="utf-8")
+    # hundreds of replica keys: a few in the card, all of them on the detail page
+    card = html.split('id="card-ep2-pp16-vpp2-mtp-standalone"', 1)[1].split('<div class="variant', 1)[0]
+    assert len(re.findall(r'<li class="mono">', card)) == 8 and "… and 193 more" in card
+    assert '<a href="runs/ep2_pp16-vpp2-mtp-standalone/index.html#replicas">all replica keys</a>' in card
+    page = (tmp_path / "runs" / "ep2_pp16-vpp2-mtp-standalone" / "index.html").read_text(encoding="utf-8")
+    assert '<h2 id="replicas">Replica keys (201)</h2>' in page
     # every link to a run file exists
     for link in set(re.findall(r'href="(runs/[^"#]+)', html)):
         assert (tmp_path / link).exists(), link

@@ -211,3 +211,23 @@ def test_trace_files_load_as_json_with_one_event_per_planned_action(chromium, re
         assert len(xs) == _compute_actions(manifest["schedule"]) > 0
         assert {e["pid"] for e in xs} == set(range(v["pp"]))
     _screenshot(chromium, report, tmp_path, "browser-case-1400x900.png")
+
+
+def test_a_real_report_matrix_on_the_first_screen(chromium, tmp_path):
+    """The same checks on a report a real `bitparity verify` wrote (``make verify`` then
+    ``BITPARITY_BROWSER_REPORT=reports/dsv3/index.html pytest tests/test_report_browser.py -s``)."""
+    path = os.environ.get("BITPARITY_BROWSER_REPORT")
+    if not path:
+        pytest.skip("set BITPARITY_BROWSER_REPORT to a report's index.html to check it too")
+    from pathlib import Path
+    page = Path(path).resolve()
+    p = _probe(chromium, page, tmp_path)
+    left, top, right, bottom = p["matrix"]
+    assert 0 <= left and 0 <= top and right <= p["viewport"][0] and bottom <= min(p["viewport"][1], VIEWPORT[1]), p
+    assert p["scroller"][0] <= p["scroller"][1] and p["page_width"] <= VIEWPORT[0], p
+    summary = json.loads(page.with_name("summary.json").read_text())
+    assert p["cells"] == len(summary["variants"])
+    if p["fail_run"] is not None:
+        assert p["target"] and abs(p["target_top_after_click"]) < 2, p
+    _screenshot(chromium, page, tmp_path, f"{summary['case']}-1400x900.png")
+    print(f"{page}: {page.stat().st_size} bytes")

@@ -43,6 +43,29 @@ def test_smoke_layouts_bitwise_equal(smoke):
             ("grad", "embedding.word_embeddings.weight")
 
 
+def test_measured_actions_line_up_with_the_schedule(smoke):
+    """The reference trainer times every compute action on CPU; the merged trace keeps them per pp rank (one
+    per planned compute action, in the planned order), from the step's first action, and the schedule's
+    Chrome trace carries them beside the planned timeline."""
+    _, report = smoke
+    run = report / "runs" / "pp4-vpp2-mtp-standalone"
+    lines = json.loads((run / "manifest.json").read_text())["schedule"].splitlines()     # "rank r: F0.0 SEND_F..."
+    planned = [[tuple(int(x) if x.isdigit() else x for x in re.fullmatch(r"(F|B)(\d+)\.(\d+)", tok).groups())
+                for tok in line.split(": ", 1)[1].split() if re.fullmatch(r"(F|B)(\d+)\.(\d+)", tok)]
+               for line in lines]
+    trace = json.loads((run / "trace.json").read_text())
+    for st in trace["steps"]:
+        actions = st["actions"]
+        assert sorted(actions, key=int) == ["0", "1", "2", "3"]
+        assert min(a["start_s"] for items in actions.values() for a in items) == 0.0
+        for rank, items in actions.items():
+            assert [(a["op"], a["stage"], a["microbatch"]) for a in items] == planned[int(rank)], rank
+            assert all(0 <= a["start_s"] <= a["end_s"] for a in items)
+    chrome = json.loads((run / "schedule.trace.json").read_text())
+    names = {e["args"]["name"] for e in chrome["traceEvents"] if e.get("name") == "process_name"}
+    assert {"pp rank 0", "measured · pp rank 0"} <= names, names
+
+
 def test_smoke_artifacts(smoke):
     _, report = smoke
     suite = ET.parse(report / "junit.xml").getroot()

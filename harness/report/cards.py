@@ -25,6 +25,10 @@ from .words import (canonical_words, clean_text, clip_words, detail_page, diverg
                     run_dir_of, run_to_run_words, trace_file)
 
 
+#: Replica keys listed in a card (the detail page lists them all).
+MAX_REPLICA_KEYS = 8
+
+
 def read_run_trace(v: VariantResult, report_dir: Optional[pathlib.Path]) -> Optional[dict]:
     """The run's merged ``trace.json`` (``report_dir / v.run_dir / trace.json``), or None when there is no
     report directory, `run_dir` is absolute or leads outside it, or the file is missing or unreadable."""
@@ -63,13 +67,17 @@ def structural(v: VariantResult, ref: str, n_params: Optional[int]) -> dict:
 
     ``inventory``: the differing lines (empty when equal); ``inventory_checked``: whether a comparison ran
     (False when the variant or its reference errored); ``replica``: ``{"state": "consistent"|"broken"|
-    "unknown", "step", "detail", "names"}``; ``flags``: ``[(css class, label, tooltip)]``.
+    "unknown", "step", "detail", "names", "names_shown" (the first `MAX_REPLICA_KEYS`), "names_more"}``;
+    ``flags``: ``[(css class, label, tooltip)]``.
     """
     inventory = inventory_lines(v)
     rs = v.replica_status if isinstance(v.replica_status, dict) else {}
     state = "unknown" if not rs else ("broken" if rs.get("consistent") is False else "consistent")
     step = rs.get("first_broken_step") if state == "broken" else None
-    replica = {"state": state, "step": step, "detail": clean_text(rs.get("detail") or ""), "names": replica_keys(rs)}
+    names = replica_keys(rs)
+    # an EP=2 run replicates every non-expert parameter: the card lists a few, the detail page all of them
+    replica = {"state": state, "step": step, "detail": clean_text(rs.get("detail") or ""), "names": names,
+               "names_shown": names[:MAX_REPLICA_KEYS], "names_more": max(0, len(names) - MAX_REPLICA_KEYS)}
     flags = []
     if inventory:
         n = len(inventory)
