@@ -241,7 +241,7 @@ def test_planted_defects_are_caught_at_the_embedding(injected):
     for name in broken:
         assert v[name]["verdict"] == "fail", (name, v[name]["reason"])
         assert v[name]["first_divergence"] == {"step": 0, "kind": "grad", "microbatch": None, "name": EMBEDDING,
-                                               "ulp": None}, name
+                                               "ulp": None, "canonical": None}, name
         status = v[name]["replica_status"]
         assert status["consistent"] is False and status["first_broken_step"] == 0, name
         assert status["detail"].startswith(f"{EMBEDDING}@mtp: gradient at step 0"), status["detail"]

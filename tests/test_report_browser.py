@@ -16,6 +16,7 @@ import pytest
 
 from conftest import run_cli
 from harness.report import write_report
+from harness.report.chrome_trace import MEASURED_PID
 from test_report import FAILING_RUN, make_dsv3_like
 
 pytestmark = pytest.mark.slow
@@ -207,9 +208,13 @@ def test_trace_files_load_as_json_with_one_event_per_planned_action(chromium, re
         assert rel and f'href="{rel}"' in html           # the report links it
         trace = json.loads((out / rel).read_text())     # loads as JSON
         manifest = json.loads((out / rel).parent.joinpath("manifest.json").read_text())
-        xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        xs = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] < MEASURED_PID]   # planned
         assert len(xs) == _compute_actions(manifest["schedule"]) > 0
         assert {e["pid"] for e in xs} == set(range(v["pp"]))
+        # the reference trainer on CPU also records each action's measured time: every step, every action
+        measured = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] >= MEASURED_PID]
+        steps = len(json.loads((out / rel).parent.joinpath("trace.json").read_text())["steps"])
+        assert len(measured) == len(xs) * steps
     _screenshot(chromium, report, tmp_path, "browser-case-1400x900.png")
 
 
