@@ -124,16 +124,24 @@ def _verify(args, argv) -> int:
     from .verify import verify
     from reference_impl.config import MAX_TIMEOUT_S
     from . import golden
-    from .verify import GoldenRequest
+    from .verify import GoldenRequest, golden_key
+    from reference_impl.config import MAX_TRAIN_ITERS
+    if args.train_iters is not None and not 1 <= args.train_iters <= MAX_TRAIN_ITERS:
+        raise UsageError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS}")
+    for flag, value in (("--golden", args.golden), ("--write-golden", args.write_golden)):
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag}: empty path")
     plan = load_case(args.case, only=args.only, inject=args.inject,
                      overrides={"device": args.device, "num_gpus": args.num_gpus, "params_dtype": args.params_dtype,
                                 "training": {"train_iters": args.train_iters} if args.train_iters is not None
                                 else None})
     goldens = None
-    if args.golden:
-        goldens = GoldenRequest(Path(args.golden), False, golden.load_index(Path(args.golden), plan.name))
-    elif args.write_golden:
-        golden.check_writable(Path(args.write_golden))
+    if args.golden is not None:
+        runs = {r.spec.name: (r.config.training.train_iters, trainers.versions(r.config)) for r in plan.runs}
+        goldens = GoldenRequest(Path(args.golden), False, golden.load(Path(args.golden), plan.name, runs,
+                                                                      golden_key(plan)))
+    elif args.write_golden is not None:
+        golden.check_writable(Path(args.write_golden), plan.name, bool(args.only), golden_key(plan))
         goldens = GoldenRequest(Path(args.write_golden), True)
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")

@@ -56,7 +56,7 @@ def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig,
     if wants is not None and not wants:
         raise UsageError(f"{where}: first_divergence is an empty list: name at least one place")
     if signature is not None:
-        _check_signature(where, expect, signature, model, training)
+        _check_signature(where, expect, signature, model, training, wants)
     for i, want in enumerate(wants or []):
         at = f"{where}: first_divergence" + (f"[{i}]" if len(wants) > 1 else "")
         if want.max_ulp is not None and want.kind not in _SCALAR_ULP_KINDS:
@@ -78,7 +78,19 @@ def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig,
                 raise UsageError(f"{at}.name {want.name!r} {problem}")
 
 
-def _check_signature(where: str, expect: str, places, model: ModelConfig, training: TrainingConfig) -> None:
+def _covers(place, want) -> bool:
+    """Whether signature `place` can include the allowed first divergence `want` (at some step: a place
+    ``{step: 0}`` meets ``{kind: grad}`` at any step)."""
+    def same(a, b):
+        return a is None or b is None or a == b
+    step_ok = (place.step is None or want.step is None or want.step == place.step) and \
+        (place.from_step is None or want.step is None or want.step >= place.from_step)
+    return step_ok and same(place.kind, want.kind) and same(place.name, want.name) and \
+        (place.family is None or want.name is None or names.family(want.name.split("@")[0]) == place.family)
+
+
+def _check_signature(where: str, expect: str, places, model: ModelConfig, training: TrainingConfig,
+                     wants=None) -> None:
     if expect == "bitwise":
         raise UsageError(f"{where}: signature is only meaningful with expect: may_diverge or diverge")
     if not places:
@@ -96,3 +108,8 @@ def _check_signature(where: str, expect: str, places, model: ModelConfig, traini
                 raise UsageError(f"{at}.name {p.name!r} {problem}")
         elif p.kind == "loss" and p.name not in _loss_names(model):
             raise UsageError(f"{at}.name {p.name!r}: a loss is one of {', '.join(sorted(_loss_names(model)))}")
+    for i, want in enumerate(wants or []):
+        if want.kind != "inventory" and not any(_covers(p, want) for p in places):
+            raise UsageError(f"{where}: signature does not include first_divergence"
+                             f"{f'[{i}]' if len(wants) > 1 else ''} ({want.kind} {want.name or '(any)'}, "
+                             f"{'any step' if want.step is None else f'step {want.step}'}): the run could never pass")

@@ -9,20 +9,22 @@ layout comparison (`harness.compare.compare`: the first difference in dataflow o
 records them (only from a run whose verdicts all pass).
 
 Environment: bits are only comparable under the same arithmetic (torch build, ATen kernel set, MKL's
-reproducibility branch, BLAS, device, dtype, thread count: `environment_key`).  A golden from another
-environment is reported as such, naming the field, before any bit is compared, and fails the check
-(comparing would blame the code for the machine).  The CPU model is recorded but not part of the key: the
+reproducibility branch, BLAS, device, dtype, thread count: `environment_key`; per run, the trainer's
+versions).  A golden from another environment is refused before anything runs, naming the field (comparing
+would blame the code for the machine); so is one whose step count differs from the run's (``--train-iters``).  The CPU model is recorded but not part of the key: the
 shipped goldens are recorded with ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`` (``make golden``),
 the arithmetic that is meant to round alike on every x86-64 CPU.
 
-Layout (``DIR``): ``golden.json`` {format, case, environment, recorded, variants: {name: {file, world_size,
-expert_model_parallel_size}}} and one ``<variant>.json`` per distinct run (compact JSON, sorted keys, one step
-per line; the bitwise-equal layouts of a case share one file).
+Layout (``DIR``): ``golden.json`` {format, case, environment, recorded: {cpu_model, bitparity}, variants: {name:
+{file: "runs/<stem>.json", trainer}}} and one ``runs/<stem>.json`` per distinct run (compact JSON, sorted keys,
+one step per line; the bitwise-equal layouts of a case share one file).  Everything is validated when the
+golden is loaded, before any run; a refresh touches only the files its own index names.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,30 +32,30 @@ from .compare import compare
 from .errors import UsageError
 from .trace import StepTrace, Trace
 
-FORMAT = "bitparity-golden/1"
-#: The environment facts a trace's bits depend on (`harness.verify.environment`'s keys).
-#: Each variant's entry also keeps its trainer's versions (`harness.trainers.versions`), compared per variant.
+FORMAT = "bitparity-golden/2"
+#: The environment facts a trace's bits depend on (`harness.verify.environment`'s keys plus the case's device,
+#: params_dtype and num_threads); each variant's entry also keeps its trainer's versions.
 KEY_FIELDS = ("torch", "machine", "aten_cpu_capability", "mkl_cbwr", "blas", "blas_version", "gpu", "cuda",
               "cublas", "device", "params_dtype", "num_threads")
 #: StepTrace fields that are not bits of the computation (or are not captured by every run).
 _VOLATILE = ("time_s", "activations", "boundaries", "router_ties", "actions")
+#: Trace fields that describe the layout, not the computation: taken from the run being checked.
+_PER_RUN = ("world_size", "expert_model_parallel_size")
+_FILE = re.compile(r"^runs/[A-Za-z0-9][A-Za-z0-9._-]{0,150}\.json$")
+_STEP_KEYS = {f for f in StepTrace.__dataclass_fields__} - set(_VOLATILE)
+_TRACE_KEYS = {"format", "params", "order", "init", "steps"}
 
 
 def environment_key(env: dict) -> dict:
-    """The facts of `env` (`harness.verify.environment` plus the case's device, params_dtype and
-    num_threads) that decide the bits."""
+    """The facts of `env` that decide the bits (`KEY_FIELDS` present in it)."""
     return {k: env[k] for k in KEY_FIELDS if env.get(k) is not None}
 
 
 def environment_difference(golden: dict, here: dict) -> str:
     """'' when the keys agree, else one line naming every field that differs."""
     fields = sorted(set(golden) | set(here))
-    diff = [f"{f} {golden.get(f)!r} (golden) vs {here.get(f)!r} (here)" for f in fields if golden.get(f) != here.get(f)]
-    return "; ".join(diff)
-
-
-#: Trace fields kept in golden.json per variant (they differ between layouts with identical bits).
-_PER_RUN = ("world_size", "expert_model_parallel_size")
+    return "; ".join(f"{f} {golden.get(f)!r} (golden) vs {here.get(f)!r} (here)"
+                     for f in fields if golden.get(f) != here.get(f))
 
 
 def _golden_trace(trace: Trace) -> dict:
@@ -73,107 +75,167 @@ def _dump(raw: dict) -> str:
     return json.dumps(head, sort_keys=True, separators=(",", ":"))[:-1] + ',\n"steps":[\n' + steps + "\n]}\n"
 
 
-def load_index(directory: Path, case: str) -> dict:
-    """``DIR/golden.json``, checked before anything runs.
-
-    Raises:
-        UsageError: DIR or its golden.json is missing or unreadable, of another format, or of another case.
-    """
+def _read_index(directory: Path, flag: str) -> dict:
     path = directory / "golden.json"
     try:
         index = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UsageError(f"--golden {directory}: no golden.json there (record one with --write-golden)") from None
+        raise UsageError(f"{flag} {directory}: no golden.json there (record one with --write-golden)") from None
     except (OSError, ValueError) as e:
-        raise UsageError(f"--golden {directory}: golden.json unreadable ({e})") from None
+        raise UsageError(f"{flag} {directory}: golden.json unreadable ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise UsageError(f"--golden {directory}: golden.json is not {FORMAT}")
-    if index.get("case") != case:
-        raise UsageError(f"--golden {directory}: the goldens are of case {index.get('case')!r}, not {case!r}")
+        raise UsageError(f"{flag} {directory}: golden.json is not {FORMAT}")
+    variants = index.get("variants")
+    if not isinstance(variants, dict) or not isinstance(index.get("environment"), dict) or any(
+            not isinstance(e, dict) or not isinstance(e.get("file"), str) or not _FILE.match(e["file"])
+            or not isinstance(e.get("trainer"), dict) for e in variants.values()):
+        raise UsageError(f"{flag} {directory}: golden.json malformed (variants: {{name: {{file: runs/<name>.json, "
+                         "trainer: {...}}}}, environment: {...})")
     return index
 
 
-def check_writable(directory: Path) -> None:
-    """Before anything runs: --write-golden's DIR is a directory or can be created.
+def _read_trace(directory: Path, file: str) -> dict:
+    """One golden file, parsed and shape-checked.  Raises UsageError naming the file."""
+    path = directory / file
+    try:
+        raw = json.loads(path.read_text())
+        ok = isinstance(raw, dict) and set(raw) == _TRACE_KEYS and isinstance(raw["steps"], list) and all(
+            isinstance(st, dict) and set(st) <= _STEP_KEYS and isinstance(st.get("step"), int) for st in raw["steps"])
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--golden {path}: unreadable ({e})") from None
+    if not ok or not isinstance(raw["params"], dict) or not isinstance(raw["order"], list) \
+            or not isinstance(raw["init"], dict):
+        raise UsageError(f"--golden {path}: not a golden trace (keys {sorted(_TRACE_KEYS)}, steps of trace fields)")
+    return raw
+
+
+def load(directory: Path, case: str, runs: dict, key: dict) -> dict:
+    """Load and check DIR's goldens before anything runs; returns {"index": ..., "traces": {file: raw}}.
+
+    `runs`: {variant: (train_iters, `harness.trainers.versions`)} of the planned runs that have a golden;
+    `key`: this machine's `environment_key`.
 
     Raises:
-        UsageError: DIR exists and is not a directory, or holds files that are not goldens.
+        UsageError: DIR or a file is missing, unreadable or malformed; the goldens are of another case; they
+            come from another environment (naming every field) or another trainer version; a run's step count
+            differs from its golden's.
     """
+    index = _read_index(directory, "--golden")
+    if index.get("case") != case:
+        raise UsageError(f"--golden {directory}: the goldens are of case {index.get('case')!r}, not {case!r}")
+    diff = environment_difference(index["environment"], key)
+    if diff:
+        raise UsageError(f"--golden {directory}: recorded in another environment, nothing run: {diff}")
+    traces = {}
+    for name, (iters, versions) in runs.items():
+        entry = index["variants"].get(name)
+        if entry is None:
+            continue
+        diff = environment_difference(entry["trainer"], versions)
+        if diff:
+            raise UsageError(f"--golden {directory}: variant {name!r} recorded with another trainer, nothing run: {diff}")
+        raw = traces.get(entry["file"]) or _read_trace(directory, entry["file"])
+        traces[entry["file"]] = raw
+        if len(raw["steps"]) != iters:
+            raise UsageError(f"--golden {directory}: variant {name!r} has {len(raw['steps'])} golden steps, the run "
+                             f"{iters} (train_iters / --train-iters must match the golden's)")
+    return {"index": index, "traces": traces}
+
+
+def check_writable(directory: Path, case: str, partial: bool, key: dict) -> None:
+    """Before anything runs: --write-golden's DIR can take this case's goldens; creates it (empty) if missing.
+
+    Raises:
+        UsageError: an empty path; DIR is not a directory or cannot be created; it holds files but no
+            golden.json, or a golden.json that is unreadable, of another format or of another case; a
+            partial refresh (`partial`: --only) in another environment (it would mix two environments).
+    """
+    if not str(directory):
+        raise UsageError("--write-golden: empty path")
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"--write-golden {directory}: not a directory")
-    if directory.is_dir() and any(directory.iterdir()) and not (directory / "golden.json").is_file():
-        raise UsageError(f"--write-golden {directory}: not empty and holds no golden.json (not a golden directory)")
+    if directory.is_dir() and any(directory.iterdir()):
+        if not (directory / "golden.json").exists():
+            raise UsageError(f"--write-golden {directory}: not empty and holds no golden.json (not a golden directory)")
+        index = _read_index(directory, "--write-golden")
+        if index.get("case") != case:
+            raise UsageError(f"--write-golden {directory}: holds the goldens of case {index.get('case')!r}, not "
+                             f"{case!r}: choose another directory")
+        diff = environment_difference(index["environment"], key)
+        if partial and diff:
+            raise UsageError(f"--write-golden {directory}: a partial refresh (--only) here would mix two "
+                             f"environments ({diff}): refresh every variant")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--write-golden {directory}: cannot create it ({e.strerror or e})") from None
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"--write-golden {directory}: not writable")
 
 
 def write(directory: Path, case: str, traces: dict, files: dict, key: dict, env: dict, trainers: dict) -> None:
     """Record `traces` ({variant: Trace}) as goldens under `directory` (`files`: {variant: file stem},
-    `trainers`: {variant: `harness.trainers.versions`}).
-    Runs with identical bits share one file (the bitwise-equal layouts of a case: one golden); goldens of
-    variants not in `traces` are kept (a refresh with --only touches only those)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    `trainers`: {variant: `harness.trainers.versions`}), after `check_writable`.
+
+    Runs with identical bits share one file (the bitwise-equal layouts of a case: one golden).  Goldens of
+    variants not in `traces` are kept when the environment is the same (a refresh with --only); only files
+    the old index named and the new one does not are removed."""
     index_path = directory / "golden.json"
-    old = json.loads(index_path.read_text()) if index_path.is_file() else {}
-    keep = {n: f for n, f in old.get("variants", {}).items() if n not in traces} \
-        if old.get("case") == case and old.get("environment") == key else {}
+    old = _read_index(directory, "--write-golden") if index_path.exists() else {"variants": {}, "environment": {}}
+    same = old.get("case") == case and old["environment"] == key
+    keep = {n: e for n, e in old["variants"].items() if n not in traces} if same else {}
     by_text: dict = {}
     for name, trace in traces.items():
         by_text.setdefault(_dump(_golden_trace(trace)), []).append(name)
+    (directory / "runs").mkdir(exist_ok=True)
     variants = dict(keep)
     for text, group in by_text.items():
-        file = f"{files[group[0]]}.json"
-        while file in {v["file"] for v in keep.values()}:     # never overwrite a kept variant's golden
-            file = "_" + file
-        tmp = directory / f".{file}.tmp"
+        file = f"runs/{files[group[0]]}.json"
+        while file in {e["file"] for e in keep.values()}:     # never overwrite a kept variant's golden
+            file = f"runs/_{file[5:]}"
+        tmp = directory / f"{file}.tmp"
         tmp.write_text(text)
         os.replace(tmp, directory / file)
-        variants.update({name: {"file": file, "trainer": trainers[name],
-                                **{k: getattr(traces[name], k) for k in _PER_RUN}} for name in group})
-    for stale in {p.name for p in directory.glob("*.json")} - {v["file"] for v in variants.values()} - {"golden.json"}:
-        (directory / stale).unlink()
+        variants.update({name: {"file": file, "trainer": trainers[name]} for name in group})
+    for stale in {e["file"] for e in old["variants"].values()} - {e["file"] for e in variants.values()}:
+        (directory / stale).unlink(missing_ok=True)
     index = {"format": FORMAT, "case": case, "environment": key, "variants": dict(sorted(variants.items())),
-             "recorded": {"cpu_model": env.get("cpu_model"), "date": env.get("date"),
-                          "bitparity": env.get("bitparity")}}
+             "recorded": {"cpu_model": env.get("cpu_model"), "bitparity": env.get("bitparity")}}
     tmp = directory / ".golden.json.tmp"
     tmp.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, index_path)
 
 
-def _load(path: Path, entry: dict) -> Trace:
-    raw = json.loads(path.read_text())
-    raw["steps"] = [StepTrace(**s) for s in raw["steps"]]
-    return Trace(**raw, **{k: entry[k] for k in _PER_RUN})
+def _trace(raw: dict, run: Trace) -> Trace:
+    return Trace(**{**raw, "steps": [StepTrace(**st) for st in raw["steps"]]},
+                 **{k: getattr(run, k) for k in _PER_RUN})
 
 
-def check(directory: Path, index: dict, traces: dict, key: dict, trainers: dict) -> tuple[dict, dict]:
-    """Compare each run of `traces` ({variant: Trace or None when it errored}; `trainers`: {variant:
-    `harness.trainers.versions`}) with its golden.
+def check(loaded: dict, directory: Path, traces: dict) -> tuple[dict, dict]:
+    """Compare each run of `traces` ({variant: Trace, or None when it errored}) with its golden (`load`'s result).
 
-    Returns (case record {dir, environment, recorded, verdict}, {variant: {status, first_divergence, detail}})
-    with status ``equal`` / ``differs`` / ``missing`` (no golden for that variant) / ``other environment`` /
-    ``not run``.  The environment is compared first: if it differs no bit is compared.
+    Returns (case record {dir, environment: "same", recorded, verdict, detail}, {variant: {status,
+    first_divergence, detail}}) with status ``equal`` / ``differs`` / ``missing`` (no golden for that variant) /
+    ``not run``.
     """
-    env_diff = environment_difference(index.get("environment", {}), key)
-    recorded = index.get("recorded", {})
-    per: dict = {}
+    index, per = loaded["index"], {}
     for name, trace in traces.items():
-        entry = index.get("variants", {}).get(name) or {}
-        file = entry.get("file")
-        trainer_diff = environment_difference(entry.get("trainer", {}), trainers[name]) if file else ""
-        if env_diff or trainer_diff:
-            per[name] = {"status": "other environment", "first_divergence": None, "detail": env_diff or trainer_diff}
-        elif trace is None:
+        entry = index["variants"].get(name)
+        if trace is None:
             per[name] = {"status": "not run", "first_divergence": None, "detail": "the run did not complete"}
-        elif file is None or not (directory / file).is_file():
+        elif entry is None:
             per[name] = {"status": "missing", "first_divergence": None,
                          "detail": f"no golden for variant {name!r} in {directory} (record with --write-golden)"}
         else:
-            cmp = compare(_load(directory / file, entry), trace)
-            fd = cmp.first_divergence
+            fd = compare(_trace(loaded["traces"][entry["file"]], trace), trace).first_divergence
             per[name] = {"status": "equal" if fd is None else "differs",
                          "first_divergence": asdict(fd) if fd else None,
                          "detail": "bitwise equal to the golden" if fd is None else
-                         f"first difference from the golden: step {fd.step} {fd.kind} {fd.name}: {fd.detail}"}
-    ok = all(r["status"] == "equal" for r in per.values())
-    case = {"dir": str(directory), "environment": f"other environment: {env_diff}" if env_diff else "same",
-            "recorded": recorded, "verdict": "pass" if ok else "fail"}
+                         f"first difference from the golden (golden vs this run): step {fd.step} {fd.kind} "
+                         f"{fd.name}: {fd.detail}"}
+    bad = [n for n, r in per.items() if r["status"] != "equal"]
+    case = {"dir": str(directory), "environment": "same", "recorded": index.get("recorded", {}),
+            "verdict": "fail" if bad else "pass",
+            "detail": f"{len(bad)} of {len(per)} run(s) not bitwise equal to their golden: {', '.join(bad[:3])}"
+            if bad else f"{len(per)} run(s) bitwise equal to their goldens"}
     return case, per

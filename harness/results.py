@@ -110,6 +110,7 @@ class VariantResult:
     # differences outside the expected divergence's signature (`harness.signature`), one line each
     # ("step 0 grad mtp.layers.0.eh_proj.weight"), at most 20 then "… and N more"; [] when none or not checked
     outside_signature: list = field(default_factory=list)
+    outside_signature_count: int = 0              # how many differences lie outside (all, not only the lines)
     # comparison with the golden trace (`harness.golden`, `verify --golden DIR`): {"status": "equal" | "differs"
     # | "missing" | "other environment", "first_divergence": dict | None, "detail": str}; {} when not asked
     golden: dict = field(default_factory=dict)

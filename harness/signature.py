@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from trainerkit import names
 
@@ -41,11 +41,23 @@ class SignaturePlace(BaseModel):
     """One place that may differ; a field left out (None) matches anything."""
 
     model_config = ConfigDict(extra="forbid")
-    step: Optional[int] = Field(None, ge=0)
-    from_step: Optional[int] = Field(None, ge=0)       # this step and every later one
+    step: Optional[StrictInt] = Field(None, ge=0)
+    from_step: Optional[StrictInt] = Field(None, ge=0)       # this step and every later one
     kind: Optional[Literal["inventory", "loss", "grad", "grad_norm", "param"]] = None
     name: Optional[str] = Field(None, max_length=300)
     family: Optional[Literal[names.FAMILIES]] = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.step is not None and self.from_step is not None:
+            raise ValueError("step and from_step together: give one (step: exactly that step; from_step: it and later)")
+        if self.kind == "grad_norm" and self.name not in (None, "grad norm"):
+            raise ValueError("kind grad_norm has no parameter name (the grad norm is 'grad norm')")
+        if self.kind in ("loss", "grad_norm") and self.family is not None:
+            raise ValueError(f"kind {self.kind} has no parameter family")
+        if self.name is not None and self.family is not None and _family(self.name) != self.family:
+            raise ValueError(f"name {self.name!r} is of family {_family(self.name)!r}, not {self.family!r}")
+        return self
 
 
 def _family(key: str) -> Optional[str]:
@@ -110,11 +122,11 @@ def lines(diffs: list[Difference]) -> list[str]:
 def judge(verdict: tuple[str, str, str], spec, cmp: Optional[Comparison], clipping: bool) -> tuple[str, str, str, list]:
     """`harness.verify.judge`'s (verdict, outcome, reason) with the signature applied: a passing
     ``may_diverge`` / ``diverge`` variant that differs outside its signature fails.  Returns the four-tuple
-    (verdict, outcome, reason, `lines` of the differences outside)."""
+    (verdict, outcome, reason, the `Difference` s outside)."""
     if cmp is None or verdict[0] != "pass" or spec.expect == "bitwise":
         return (*verdict, [])
     out = outside(cmp, spec, clipping)
     if not out:
         return (*verdict, [])
     return "fail", "unexpected difference", \
-        f"{verdict[2]}, but it also differs outside its signature ({len(out)}): {describe(out[0])}", lines(out)
+        f"{verdict[2]}, but it also differs outside its signature ({len(out)}): {describe(out[0])}", out

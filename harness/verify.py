@@ -214,11 +214,19 @@ def _where_words(fd) -> str:
 
 @dataclasses.dataclass
 class GoldenRequest:
-    """`verify --golden DIR` (`index`: its golden.json, loaded before anything runs) or `--write-golden DIR`."""
+    """`verify --golden DIR` (`loaded`: `harness.golden.load`'s result, checked before anything runs) or
+    `--write-golden DIR` (`write`)."""
 
     directory: Path
     write: bool
-    index: Optional[dict] = None
+    loaded: Optional[dict] = None
+
+
+def golden_key(plan: CasePlan) -> dict:
+    """This machine's golden environment key for `plan` (`harness.golden.environment_key`): the same facts
+    before the runs (to refuse a golden of another environment) as after them (to record)."""
+    return golden.environment_key({**environment(), "device": plan.spec.device, "num_threads":
+                                   plan.spec.training.num_threads, "params_dtype": plan.runs[0].config.params_dtype})
 
 
 def _goldens(req: Optional[GoldenRequest], plan: CasePlan, env: dict, traces: dict, variants: list, dirs: dict,
@@ -227,27 +235,23 @@ def _goldens(req: Optional[GoldenRequest], plan: CasePlan, env: dict, traces: di
     `CaseResult.golden`.  Goldens are recorded only from a run whose verdicts all pass."""
     if req is None:
         return None
-    key = golden.environment_key(env)
-    versions = {r.spec.name: trainers.versions(r.config) for r in plan.runs}
     if req.write:
         failed = [v.name for v in variants if v.verdict != "pass"]
         if failed:
             progress(f"[golden] not recorded: {len(failed)} variant(s) do not pass ({', '.join(failed[:3])})")
             return {"dir": str(req.directory), "environment": "same", "verdict": "fail",
                     "detail": "not recorded: not every variant passes"}
-        golden.write(req.directory, plan.name, traces, {n: Path(d).name for n, d in dirs.items()}, key, env, versions)
+        golden.write(req.directory, plan.name, traces, {n: Path(d).name for n, d in dirs.items()}, golden_key(plan),
+                     env, {r.spec.name: trainers.versions(r.config) for r in plan.runs})
         progress(f"[golden] recorded {len(traces)} run(s) in {req.directory}")
         return {"dir": str(req.directory), "environment": "same", "verdict": "pass",
                 "detail": f"recorded {len(traces)} run(s)"}
-    case, per = golden.check(req.directory, req.index, traces, key, versions)
-    if case["environment"] != "same":
-        progress(f"[golden] {req.directory} is from another environment, no bit compared: {case['environment']}")
+    case, per = golden.check(req.loaded, req.directory, traces)
     for v in variants:
         v.golden = per[v.name]
-        if v.golden["status"] != "equal" and case["environment"] == "same":
+        if v.golden["status"] != "equal":
             progress(f"[golden] {v.name}: {v.golden['status'].upper()}: {v.golden['detail']}")
-    progress(f"[golden] {sum(r['status'] == 'equal' for r in per.values())}/{len(per)} bitwise equal to the "
-             f"goldens in {req.directory}")
+    progress(f"[golden] {case['detail']} ({req.directory})")
     return case
 
 
@@ -258,7 +262,8 @@ def _comparison_record(v: VariantResult) -> dict:
             "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
             "inventory": v.inventory, "replica_status": v.replica_status, "run_to_run": v.run_to_run,
             "ulp_evidence": v.ulp_evidence, "evidence_error": v.evidence_error, "localisation": v.localisation,
-            "outside_signature": v.outside_signature, "golden": v.golden}
+            "outside_signature": v.outside_signature, "outside_signature_count": v.outside_signature_count,
+            "golden": v.golden}
 
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
@@ -373,7 +378,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             reductions=t.reductions, trainer=run.config.trainer, clip_grad=t.clip_grad, timeline=[asdict(c) for c in cells],
             bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas,
             run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error,
-            localisation=where or {}, outside_signature=outside))
+            localisation=where or {}, outside_signature=signature.lines(outside),
+            outside_signature_count=len(outside)))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env["num_threads"] = plan.spec.training.num_threads
     env["device"] = plan.spec.device

@@ -47,51 +47,100 @@ def _trace(fp="aaaa", loss="0x3f800000"):
 
 
 KEY = {"torch": "2.13.0+cpu", "aten_cpu_capability": "DEFAULT", "mkl_cbwr": "COMPATIBLE"}
-REF = {n: {"trainer": "reference"} for n in ("a", "b", "new")}
+REF = {"trainer": "reference"}
+
+
+def _record(directory, traces, key=KEY):
+    golden.write(directory, "c", traces, {n: n for n in traces}, key, {"cpu_model": "x"}, dict.fromkeys(traces, REF))
+
+
+def _load(directory, names, key=KEY, iters=1, trainer=REF):
+    return golden.load(directory, "c", {n: (iters, trainer) for n in names}, key)
 
 
 def test_golden_round_trip_and_a_changed_bit(tmp_path):
-    golden.write(tmp_path, "c", {"a": _trace(), "b": _trace()}, {"a": "a", "b": "b"}, KEY, {"cpu_model": "x"}, REF)
-    index = golden.load_index(tmp_path, "c")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "golden.json"]     # identical bits: one file
-    case, per = golden.check(tmp_path, index, {"a": _trace(), "b": _trace(fp="dddd")}, KEY, REF)
+    _record(tmp_path, {"a": _trace(), "b": _trace()})
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a.json"]     # identical bits: one file
+    loaded = _load(tmp_path, ["a", "b", "new"])
+    case, per = golden.check(loaded, tmp_path, {"a": _trace(), "b": _trace(fp="dddd"), "new": _trace()})
     assert per["a"]["status"] == "equal" and case["verdict"] == "fail"
     assert per["b"]["status"] == "differs" and per["b"]["first_divergence"]["name"] == "output_layer.weight"
-    assert per["b"]["detail"].startswith("first difference from the golden: step 0 grad output_layer.weight")
-    case, per = golden.check(tmp_path, index, {"a": _trace(), "new": _trace()}, KEY, REF)
-    assert per["new"]["status"] == "missing" and case["verdict"] == "fail"
+    assert per["b"]["detail"].startswith("first difference from the golden (golden vs this run): step 0 grad "
+                                         "output_layer.weight")
+    assert per["new"]["status"] == "missing"
 
 
-def test_another_environment_is_reported_before_any_bit(tmp_path):
-    golden.write(tmp_path, "c", {"a": _trace()}, {"a": "a"}, KEY, {}, REF)
-    here = {**KEY, "aten_cpu_capability": "AVX512"}
-    case, per = golden.check(tmp_path, golden.load_index(tmp_path, "c"), {"a": _trace(fp="dddd")}, here, REF)
-    assert case["verdict"] == "fail" and per["a"]["status"] == "other environment"
-    assert per["a"]["first_divergence"] is None                      # no bit compared
-    assert case["environment"] == "other environment: aten_cpu_capability 'DEFAULT' (golden) vs 'AVX512' (here)"
-    case, per = golden.check(tmp_path, golden.load_index(tmp_path, "c"), {"a": _trace()}, KEY,
-                             {"a": {"trainer": "megatron-core", "megatron_core": "0.16.1"}})
-    assert per["a"]["status"] == "other environment" and "trainer 'reference' (golden)" in per["a"]["detail"]
+def test_another_environment_or_step_count_is_refused_before_anything_runs(tmp_path):
+    _record(tmp_path, {"a": _trace()})
+    with pytest.raises(UsageError, match=r"recorded in another environment, nothing run: aten_cpu_capability "
+                                         r"'DEFAULT' \(golden\) vs 'AVX512' \(here\)"):
+        _load(tmp_path, ["a"], key={**KEY, "aten_cpu_capability": "AVX512"})
+    with pytest.raises(UsageError, match="variant 'a' recorded with another trainer"):
+        _load(tmp_path, ["a"], trainer={"trainer": "megatron-core", "megatron_core": "0.16.1"})
+    with pytest.raises(UsageError, match="variant 'a' has 1 golden steps, the run 8"):
+        _load(tmp_path, ["a"], iters=8)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not json", "wrong keys", "path escape", "steps null"])
+def test_a_damaged_golden_is_one_line_naming_it(tmp_path, damage):
+    _record(tmp_path, {"a": _trace()})
+    index = json.loads((tmp_path / "golden.json").read_text())
+    run = tmp_path / "runs" / "a.json"
+    if damage == "truncated":
+        run.write_text(run.read_text()[:50])
+    elif damage == "not json":
+        run.write_text("{")
+    elif damage == "wrong keys":
+        run.write_text(json.dumps({"steps": []}))
+    elif damage == "steps null":
+        raw = json.loads(run.read_text())
+        run.write_text(json.dumps({**raw, "steps": None}))
+    else:
+        index["variants"]["a"]["file"] = "runs/../../../etc/passwd"
+        (tmp_path / "golden.json").write_text(json.dumps(index))
+    with pytest.raises(UsageError) as e:
+        _load(tmp_path, ["a"])
+    assert str(tmp_path) in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_write_refuses_another_case_and_keeps_foreign_files(tmp_path):
+    _record(tmp_path, {"a": _trace(), "b": _trace(loss="0x3f800001")})
+    with pytest.raises(UsageError, match="holds the goldens of case 'c', not 'smoke'"):
+        golden.check_writable(tmp_path, "smoke", False, KEY)
+    with pytest.raises(UsageError, match="a partial refresh"):
+        golden.check_writable(tmp_path, "c", True, {**KEY, "torch": "2.11.0"})
+    (tmp_path / "runs" / "notes.json").write_text("{}")            # not named by the index: never removed
+    golden.check_writable(tmp_path, "c", True, KEY)
+    _record(tmp_path, {"b": _trace()})                             # --only b: b now shares a's bits
+    index = json.loads((tmp_path / "golden.json").read_text())
+    assert index["variants"]["a"]["file"] == "runs/a.json" and (tmp_path / "runs" / "notes.json").exists()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a.json", "b.json", "notes.json"]
 
 
 def test_bad_golden_directories_are_one_line(tmp_path, cli):
     with pytest.raises(UsageError, match="no golden.json there"):
-        golden.load_index(tmp_path, "smoke")
+        golden.load(tmp_path, "smoke", {}, KEY)
     with pytest.raises(UsageError, match="the goldens are of case 'smoke', not 'other'"):
-        golden.load_index(GOLDENS, "other")
+        golden.load(GOLDENS, "other", {}, KEY)
     (tmp_path / "x.txt").write_text("mine")
     with pytest.raises(UsageError, match="not empty and holds no golden.json"):
-        golden.check_writable(tmp_path)
+        golden.check_writable(tmp_path, "c", False, KEY)
     proc = cli("verify", "cases/smoke.yaml", "--golden", tmp_path / "nope", "--out", tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no golden.json" in proc.stderr
     proc = cli("verify", "cases/smoke.yaml", "--golden", GOLDENS, "--write-golden", tmp_path, "--out", tmp_path)
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+    for flag in ("--golden", "--write-golden"):
+        proc = cli("verify", "cases/smoke.yaml", flag, "", "--out", tmp_path)
+        assert proc.returncode == 2 and f"{flag}: empty path" in proc.stderr, proc.stderr
+    proc = cli("verify", "cases/smoke.yaml", "--write-golden", tmp_path / "x.txt" / "sub", "--out", tmp_path)
+    assert proc.returncode == 2 and "--write-golden" in proc.stderr and "cannot create" in proc.stderr, proc.stderr
+    assert not (tmp_path / "smoke").exists()
 
 
 def test_shipped_goldens_are_small_and_cover_the_smoke_case():
     index = json.loads((GOLDENS / "golden.json").read_text())
     assert sum(p.stat().st_size for p in GOLDENS.iterdir()) < 512 * 1024
-    assert set(index["variants"]) == {"pp2-mtp-with-loss", "pp4-mtp-standalone", "pp2-vpp2-mtp-with-loss",
+    assert index["format"] == golden.FORMAT and set(index["variants"]) == {"pp2-mtp-with-loss", "pp4-mtp-standalone", "pp2-vpp2-mtp-with-loss",
                                       "pp4-vpp2-mtp-standalone", "pp1", "canonical/pp1"}
     assert index["environment"]["aten_cpu_capability"] == "DEFAULT" and index["environment"]["mkl_cbwr"] == "COMPATIBLE"
 

@@ -224,7 +224,7 @@ def test_manifest_names_the_trainer(megatron, reference):
 
 # --- 3. planted defects -----------------------------------------------------------------------------------
 
-def test_planted_defects_are_caught_at_the_embedding(injected):
+def test_planted_defects_are_caught_at_the_embedding_sync(injected):
     """Both defects break the embedding sync between the first stage and the MTP stage: the first stage's
     embedding gradient misses the MTP stage's contribution (the first divergence) and the MTP stage's replica
     drifts from it (replica inconsistency), from step 0.
@@ -233,15 +233,22 @@ def test_planted_defects_are_caught_at_the_embedding(injected):
     MTP rank, with the loss or not); default_embedding_group puts the first and the *last* rank in the group,
     which is right only where the MTP layer is on the last rank (elsewhere the last rank, which holds no
     embedding, sums its output_layer.weight gradient, same shape, into the first stage's embedding gradient,
-    and the MTP replica is never synced).  P = 1 has no replica and no all-reduce."""
+    and the MTP replica is never synced).  P = 1 has no replica and no all-reduce.  In dataflow order the output
+    head, whose gradient the last rank sums with the embedding's, is the first tensor computed differently
+    there; canonical order names the embedding."""
     fault, proc, v = injected
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert v[BASELINE]["verdict"] == "pass"                     # --inject spares the baseline
     broken = (*STANDALONE, "pp4-mtp-with-loss") if fault == "skip_mtp_embedding_sync" else STANDALONE
     for name in broken:
         assert v[name]["verdict"] == "fail", (name, v[name]["reason"])
-        assert v[name]["first_divergence"] == {"step": 0, "kind": "grad", "microbatch": None, "name": EMBEDDING,
-                                               "ulp": None, "canonical": None}, name
+        fd = v[name]["first_divergence"]
+        if fault == "default_embedding_group":
+            assert (fd["step"], fd["kind"], fd["name"]) == (0, "grad", "output_layer.weight"), name
+            assert fd["canonical"].startswith(f"first in canonical order: grad {EMBEDDING} "), name
+        else:
+            assert fd == {"step": 0, "kind": "grad", "microbatch": None, "name": EMBEDDING, "ulp": None,
+                          "canonical": None}, name
         status = v[name]["replica_status"]
         assert status["consistent"] is False and status["first_broken_step"] == 0, name
         assert status["detail"].startswith(f"{EMBEDDING}@mtp: gradient at step 0"), status["detail"]

@@ -119,3 +119,28 @@ def test_a_wrong_mtp_loss_scale_behind_an_expected_divergence_fails(tmp_path):
     # the MTP layer's gradients are exactly twice the clean ones at P=1 (a power-of-two seed): certain
     assert p1["verdict"] == "fail" and proc.returncode == 1, p1
     assert p1["first_divergence"]["name"] == "output_layer.weight", p1["first_divergence"]
+
+
+@pytest.mark.parametrize("signature, words", [
+    ("[{step: 0, from_step: 1}]", "step and from_step together"),
+    ("[{kind: grad_norm, name: embedding.word_embeddings.weight}]", "kind grad_norm has no parameter name"),
+    ("[{name: embedding.word_embeddings.weight, family: router}]", "is of family 'embedding/head', not 'router'"),
+    ("[{step: true}]", "signature.0.step"),
+    ("[{kind: param, from_step: 1}]", "signature does not include first_divergence (grad embedding"),
+])
+def test_inconsistent_signatures_are_refused(tmp_path, cli, signature, words):
+    bad = CASE.replace("first_divergence: {step: 0,", f"signature: {signature}, first_divergence: {{step: 0,")
+    (tmp_path / "bad.yaml").write_text(bad)
+    proc = cli("verify", tmp_path / "bad.yaml", "--out", tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
+
+
+def test_the_issues_own_signature_is_accepted(tmp_path):
+    """P=1: only the word embedding's gradient at step 0, then anything from step 1 (issue #14's example)."""
+    ok = CASE.replace("first_divergence: {step: 0,", "signature: [{step: 0, kind: grad, name: "
+                      "embedding.word_embeddings.weight}, {step: 0, kind: param, name: embedding.word_embeddings.weight},"
+                      " {from_step: 1}], first_divergence: {step: 0,")
+    (tmp_path / "ok.yaml").write_text(ok)
+    from harness.cases import load_case
+    plan = load_case(tmp_path / "ok.yaml")
+    assert len(plan.runs[-1].spec.signature) == 3

@@ -21,7 +21,7 @@ from .chart_timeline import timeline_cells, timeline_svg
 from .chrome_trace import measured_events
 from .words import (canonical_words, clean_text, clip_words, detail_page, divergence_words, expectation_words,
                     finite_or_none, format_fraction, golden_of, golden_words, int_or_none, inventory_lines, num,
-                    outcome_class, outcome_of, outside_lines, reference_of, replica_keys, replica_words,
+                    outcome_class, outcome_of, outside_count, outside_lines, reference_of, replica_keys, replica_words,
                     run_dir_of, run_to_run_words, trace_file)
 
 
@@ -197,7 +197,7 @@ def card(v: VariantResult, i: int, anchors: dict[int, str], result: Any, report_
         "clip": clip_words(v.clip_grad),
         "fd": divergence_words(fd), "fd_detail": clean_text(fd.detail) if fd is not None else "",
         "canonical": canonical_words(fd),
-        "outside": outside_lines(v),
+        "outside": outside_lines(v), "outside_count": outside_count(v),
         "golden": {"status": clean_text(g.get("status") or ""), "words": golden_words(g)} if g else None,
         "options": sorted((v.options or {}).items(), key=lambda kv: str(kv[0])),
         "expectation": expectation_words(v, result.baseline),

@@ -13,7 +13,7 @@ from typing import Any
 from harness.results import CaseResult, VariantResult
 
 from .words import (OUTCOME_LEGEND, canonical_words, clean_text, clip_words, divergence_words,
-                    golden_of, golden_words, outcome_class, outcome_of, outcome_symbol, outside_lines, reference_of)
+                    golden_of, golden_words, outcome_class, outcome_of, outcome_symbol, outside_count, reference_of)
 
 #: Options that have their own place in a column label (`VariantResult` fields), not an ``k=v`` line.
 _OWN_FIELDS = {"reductions", "clip_grad", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
@@ -117,7 +117,7 @@ def verdict_matrix(result: CaseResult, anchors: dict[int, str]) -> dict[str, Any
         words = divergence_words(v.first_divergence) or clean_text(v.reason).split("\n")[0] or v.verdict
         failing.append({"name": clean_text(v.name), "anchor": anchors[i], "cls": outcome_class(v, result.baseline),
                         "outcome": outcome_of(v, result.baseline), "words": words,
-                        "canonical": canonical_words(v.first_divergence), "outside": len(outside_lines(v))})
+                        "canonical": canonical_words(v.first_divergence), "outside": outside_count(v)})
     counts: dict = {}
     for v in variants:
         cls = outcome_class(v, result.baseline)

@@ -8,7 +8,7 @@ from harness.results import CaseResult, VariantResult
 
 from .chart_timeline import timeline_cells
 from .words import (canonical_words, clean_text, detail_page, finite_or_none, golden_of, inventory_lines,
-                    outside_lines, reference_of, trace_file)
+                    outside_count, outside_lines, reference_of, trace_file)
 
 
 def json_safe(x: Any) -> Any:
@@ -60,7 +60,7 @@ def _variant(v: VariantResult, baseline: str) -> dict:
         "run_to_run": json_safe(dict(v.run_to_run)) if isinstance(v.run_to_run, dict) else {},
         "ulp_evidence": [json_safe(dict(e)) for e in (v.ulp_evidence or []) if isinstance(e, dict)],
         "evidence_error": clean_text(v.evidence_error or ""),
-        "outside_signature": outside_lines(v),
+        "outside_signature": outside_lines(v), "outside_signature_count": outside_count(v),
         "golden": json_safe(dict(golden_of(v))),
         "detail_page": detail_page(v),
         "schedule_trace": trace_file(v) if timeline_cells(v) else None,
@@ -100,7 +100,7 @@ def summary_dict(result: CaseResult) -> dict:
                                          "max_abs_err": float, "max_rel_err": float,
                                          "nan_mismatch": int}],
                        "evidence_error": str,
-                       "outside_signature": [str],
+                       "outside_signature": [str], "outside_signature_count": int,
                        "golden": {} | {"status": "equal"|"differs"|"missing"|"other environment",
                                        "first_divergence": dict|None, "detail": str},
                        "detail_page": str|None, "schedule_trace": str|None}],

@@ -145,6 +145,13 @@ def outside_lines(v: VariantResult) -> list[str]:
     return [clean_text(x) for x in lines] if isinstance(lines, (list, tuple)) else []
 
 
+def outside_count(v: VariantResult) -> int:
+    """How many differences lie outside the signature (`VariantResult.outside_signature_count`; the lines
+    are capped, so their number is not the count)."""
+    n = getattr(v, "outside_signature_count", 0)
+    return n if isinstance(n, int) and n > 0 else len(outside_lines(v))
+
+
 def golden_of(v: VariantResult) -> dict:
     """The variant's golden-trace comparison (`VariantResult.golden`) or {} when not asked / malformed."""
     g = getattr(v, "golden", None)
