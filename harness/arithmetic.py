@@ -12,6 +12,9 @@ import ctypes
 import os
 import platform
 import re
+import socket
+from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 
 #: Environment variables that select another arithmetic on the same machine (recorded as set or unset).
@@ -90,3 +93,17 @@ def arithmetic_facts() -> dict:
         except RuntimeError as e:          # a broken driver must not stop the report
             facts["gpu"] = f"unknown ({e})"
     return facts
+
+
+def environment() -> dict:
+    """Facts that bitwise results depend on (recorded in every manifest and shown in the report): versions,
+    platform, and the machine's arithmetic (`harness.arithmetic.arithmetic_facts`)."""
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed (source tree)"
+    return {"torch": version("torch"), "bitparity": version("bitparity"),
+            "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **arithmetic_facts()}

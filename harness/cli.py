@@ -124,7 +124,6 @@ def _verify(args, argv) -> int:
     from .verify import verify
     from reference_impl.config import MAX_TIMEOUT_S
     from . import golden
-    from .verify import GoldenRequest, golden_key
     from reference_impl.config import MAX_TRAIN_ITERS
     if args.train_iters is not None and not 1 <= args.train_iters <= MAX_TRAIN_ITERS:
         raise UsageError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS}")
@@ -138,11 +137,11 @@ def _verify(args, argv) -> int:
     goldens = None
     if args.golden is not None:
         runs = {r.spec.name: (r.config.training.train_iters, trainers.versions(r.config)) for r in plan.runs}
-        goldens = GoldenRequest(Path(args.golden), False, golden.load(Path(args.golden), plan.name, runs,
-                                                                      golden_key(plan)))
+        goldens = golden.GoldenRequest(Path(args.golden), False,
+                                       golden.load(Path(args.golden), plan.name, runs, golden.key_for(plan)))
     elif args.write_golden is not None:
-        golden.check_writable(Path(args.write_golden), plan.name, bool(args.only), golden_key(plan))
-        goldens = GoldenRequest(Path(args.write_golden), True)
+        golden.check_writable(Path(args.write_golden), plan.name, bool(args.only), golden.key_for(plan))
+        goldens = golden.GoldenRequest(Path(args.write_golden), True)
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
     with _out_errors(args.out):

@@ -25,15 +25,18 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
+from . import trainers
+from .arithmetic import environment
 from .compare import compare
 from .errors import UsageError
 from .trace import StepTrace, Trace
 
 FORMAT = "bitparity-golden/2"
-#: The environment facts a trace's bits depend on (`harness.verify.environment`'s keys plus the case's device,
+#: The environment facts a trace's bits depend on (`harness.arithmetic.environment`'s keys plus the case's device,
 #: params_dtype and num_threads); each variant's entry also keeps its trainer's versions.
 KEY_FIELDS = ("torch", "machine", "aten_cpu_capability", "mkl_cbwr", "blas", "blas_version", "gpu", "cuda",
               "cublas", "device", "params_dtype", "num_threads")
@@ -239,3 +242,47 @@ def check(loaded: dict, directory: Path, traces: dict) -> tuple[dict, dict]:
             "detail": f"{len(bad)} of {len(per)} run(s) not bitwise equal to their golden: {', '.join(bad[:3])}"
             if bad else f"{len(per)} run(s) bitwise equal to their goldens"}
     return case, per
+
+
+@dataclass
+class GoldenRequest:
+    """`verify --golden DIR` (`loaded`: `harness.golden.load`'s result, checked before anything runs) or
+    `--write-golden DIR` (`write`)."""
+
+    directory: Path
+    write: bool
+    loaded: Optional[dict] = None
+
+
+def key_for(plan) -> dict:
+    """This machine's golden environment key for `plan` (`harness.golden.environment_key`): the same facts
+    before the runs (to refuse a golden of another environment) as after them (to record)."""
+    return environment_key({**environment(), "device": plan.spec.device, "num_threads": plan.spec.training.num_threads,
+                            "params_dtype": plan.runs[0].config.params_dtype})
+
+
+def apply(req: Optional[GoldenRequest], plan, env: dict, traces: dict, variants: list, dirs: dict,
+          progress) -> Optional[dict]:
+    """`harness.verify`'s last step: check the runs (`traces`, `variants`: the `VariantResult` s, whose
+    `golden` it fills) against their goldens, or record them; returns `CaseResult.golden`.  Goldens are
+    recorded only from a run whose verdicts all pass."""
+    if req is None:
+        return None
+    if req.write:
+        failed = [v.name for v in variants if v.verdict != "pass"]
+        if failed:
+            progress(f"[golden] not recorded: {len(failed)} variant(s) do not pass ({', '.join(failed[:3])})")
+            return {"dir": str(req.directory), "environment": "same", "verdict": "fail",
+                    "detail": "not recorded: not every variant passes"}
+        write(req.directory, plan.name, traces, {n: Path(d).name for n, d in dirs.items()}, key_for(plan),
+                     env, {r.spec.name: trainers.versions(r.config) for r in plan.runs})
+        progress(f"[golden] recorded {len(traces)} run(s) in {req.directory}")
+        return {"dir": str(req.directory), "environment": "same", "verdict": "pass",
+                "detail": f"recorded {len(traces)} run(s)"}
+    case, per = check(req.loaded, req.directory, traces)
+    for v in variants:
+        v.golden = per[v.name]
+        if v.golden["status"] != "equal":
+            progress(f"[golden] {v.name}: {v.golden['status'].upper()}: {v.golden['detail']}")
+    progress(f"[golden] {case['detail']} ({req.directory})")
+    return case

@@ -8,14 +8,9 @@ and replica status (`_comparison_record`).
 from __future__ import annotations
 
 import json
-import os
-import platform
 import re
 import shlex
-import socket
 import time
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -26,7 +21,7 @@ from reference_impl.config import CheckpointConfig
 from reference_impl.schedule import build_schedule, serialise, timeline
 
 from . import crossimpl, golden, outdir, signature, trainers
-from .arithmetic import arithmetic_facts
+from .arithmetic import environment
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
 from .evidence import collect as collect_evidence
@@ -36,20 +31,6 @@ from .results import CaseResult, StepSeries, VariantResult
 from .runner import RunOutcome, run_ranks
 from .runner import preload as runner_preload
 from .trace import Trace, TraceError, check_losses, merge
-
-
-def environment() -> dict:
-    """Facts that bitwise results depend on (recorded in every manifest and shown in the report): versions,
-    platform, and the machine's arithmetic (`harness.arithmetic.arithmetic_facts`)."""
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "not installed (source tree)"
-    return {"torch": version("torch"), "bitparity": version("bitparity"),
-            "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **arithmetic_facts()}
 
 
 def _transport_facts(run_dir: Path) -> dict:
@@ -212,49 +193,6 @@ def _where_words(fd) -> str:
     return f"{what}, step {fd.step}" + (f", {fd.ulp}{wide} ULP" if fd.ulp is not None else "")
 
 
-@dataclasses.dataclass
-class GoldenRequest:
-    """`verify --golden DIR` (`loaded`: `harness.golden.load`'s result, checked before anything runs) or
-    `--write-golden DIR` (`write`)."""
-
-    directory: Path
-    write: bool
-    loaded: Optional[dict] = None
-
-
-def golden_key(plan: CasePlan) -> dict:
-    """This machine's golden environment key for `plan` (`harness.golden.environment_key`): the same facts
-    before the runs (to refuse a golden of another environment) as after them (to record)."""
-    return golden.environment_key({**environment(), "device": plan.spec.device, "num_threads":
-                                   plan.spec.training.num_threads, "params_dtype": plan.runs[0].config.params_dtype})
-
-
-def _goldens(req: Optional[GoldenRequest], plan: CasePlan, env: dict, traces: dict, variants: list, dirs: dict,
-             progress) -> Optional[dict]:
-    """Check the runs against their goldens (filling each `VariantResult.golden`) or record them; returns
-    `CaseResult.golden`.  Goldens are recorded only from a run whose verdicts all pass."""
-    if req is None:
-        return None
-    if req.write:
-        failed = [v.name for v in variants if v.verdict != "pass"]
-        if failed:
-            progress(f"[golden] not recorded: {len(failed)} variant(s) do not pass ({', '.join(failed[:3])})")
-            return {"dir": str(req.directory), "environment": "same", "verdict": "fail",
-                    "detail": "not recorded: not every variant passes"}
-        golden.write(req.directory, plan.name, traces, {n: Path(d).name for n, d in dirs.items()}, golden_key(plan),
-                     env, {r.spec.name: trainers.versions(r.config) for r in plan.runs})
-        progress(f"[golden] recorded {len(traces)} run(s) in {req.directory}")
-        return {"dir": str(req.directory), "environment": "same", "verdict": "pass",
-                "detail": f"recorded {len(traces)} run(s)"}
-    case, per = golden.check(req.loaded, req.directory, traces)
-    for v in variants:
-        v.golden = per[v.name]
-        if v.golden["status"] != "equal":
-            progress(f"[golden] {v.name}: {v.golden['status'].upper()}: {v.golden['detail']}")
-    progress(f"[golden] {case['detail']} ({req.directory})")
-    return case
-
-
 def _comparison_record(v: VariantResult) -> dict:
     """``runs/<variant>/comparison.json``: the verdict and the structural checks of one variant."""
     return {"format": "bitparity-comparison/1", "variant": v.name, "compare_to": v.compare_to,
@@ -268,7 +206,7 @@ def _comparison_record(v: VariantResult) -> dict:
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
            progress: Callable[[str], None] = print, launcher: str = "fork", evidence_all: bool = False,
-           goldens: Optional[GoldenRequest] = None) -> CaseResult:
+           goldens: Optional[golden.GoldenRequest] = None) -> CaseResult:
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``).
 
     ULP evidence (`harness.evidence`) is collected for every failing variant whose first divergence is a
@@ -394,7 +332,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     if chosen is not None:
         cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", timeout, launcher, progress)
         (work / "cross-implementation" / "cross_implementation.json").write_text(json.dumps(cross, indent=1))
-    golden_record = _goldens(goldens, plan, env, traces, variants, dirs, progress)
+    golden_record = golden.apply(goldens, plan, env, traces, variants, dirs, progress)
     for v in variants:
         (work / v.run_dir / "comparison.json").write_text(json.dumps(_comparison_record(v), indent=1))
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
