@@ -58,7 +58,7 @@ def test_train_iters_is_validated(tmp_path, cli):
                                                      "pipeline_model_parallel_size: 4, expect: may_diverge, "
                                                      "first_divergence: {step: 2, kind: loss}}"))
     proc = cli("verify", tmp_path / "long.yaml", "--train-iters", "0", "--out", tmp_path)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "train_iters" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--train-iters must be" in proc.stderr, proc.stderr
     proc = cli("verify", tmp_path / "long.yaml", "--train-iters", "2", "--out", tmp_path)
     assert proc.returncode == 2 and "step 2: the run has steps 0..1" in proc.stderr, proc.stderr
     assert not (tmp_path / "long").exists()
