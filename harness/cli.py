@@ -122,9 +122,8 @@ def _schedule_explain(args) -> int:
 def _verify(args, argv) -> int:
     from .cases import load_case
     from .verify import verify
-    from reference_impl.config import MAX_TIMEOUT_S
+    from reference_impl.config import MAX_TIMEOUT_S, MAX_TRAIN_ITERS
     from . import golden
-    from reference_impl.config import MAX_TRAIN_ITERS
     if args.train_iters is not None and not 1 <= args.train_iters <= MAX_TRAIN_ITERS:
         raise UsageError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS}")
     for flag, value in (("--golden", args.golden), ("--write-golden", args.write_golden)):
@@ -136,12 +135,14 @@ def _verify(args, argv) -> int:
                                 else None})
     goldens = None
     if args.golden is not None:
+        key = golden.key_for(plan)
         runs = {r.spec.name: (r.config.training.train_iters, trainers.versions(r.config)) for r in plan.runs}
-        goldens = golden.GoldenRequest(Path(args.golden), False,
-                                       golden.load(Path(args.golden), plan.name, runs, golden.key_for(plan)))
+        goldens = golden.GoldenRequest(Path(args.golden), False, key,
+                                       golden.load(Path(args.golden), plan.name, runs, key))
     elif args.write_golden is not None:
-        golden.check_writable(Path(args.write_golden), plan.name, bool(args.only), golden.key_for(plan))
-        goldens = golden.GoldenRequest(Path(args.write_golden), True)
+        key = golden.key_for(plan)
+        golden.check_writable(Path(args.write_golden), plan.name, bool(args.only), key)
+        goldens = golden.GoldenRequest(Path(args.write_golden), True, key)
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
     with _out_errors(args.out):

@@ -61,21 +61,32 @@ def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig,
         at = f"{where}: first_divergence" + (f"[{i}]" if len(wants) > 1 else "")
         if want.max_ulp is not None and want.kind not in _SCALAR_ULP_KINDS:
             raise UsageError(f"{at}.max_ulp applies to kind loss or grad_norm, not {want.kind}")
-        if want.step is not None and want.step >= training.train_iters:
-            raise UsageError(f"{at}.step {want.step}: the run has steps 0..{training.train_iters - 1}")
+        _check_place(at, want, ("step",), model, training)
         if want.microbatch is not None and want.microbatch >= training.num_microbatches:
             raise UsageError(f"{at}.microbatch {want.microbatch}: the run has microbatches "
                              f"0..{training.num_microbatches - 1}")
-        if want.name is None:
-            continue
-        if want.kind == "loss" and want.name not in _loss_names(model):
-            raise UsageError(f"{at}.name {want.name!r}: a loss is one of {', '.join(sorted(_loss_names(model)))}")
-        if want.kind == "grad_norm" and want.name != "grad norm":
-            raise UsageError(f"{at}.name {want.name!r}: the grad norm is named 'grad norm' (or leave name out)")
-        if want.kind in ("grad", "param", "inventory"):
-            problem = _parameter_problem(want.name, model)
-            if problem:
-                raise UsageError(f"{at}.name {want.name!r} {problem}")
+
+
+def _check_place(at: str, place, step_fields: tuple, model: ModelConfig, training: TrainingConfig) -> None:
+    """A place (a `first_divergence` entry or a `signature` place) names steps the run has and a name its kind
+    can have; a place without a kind (signature only) may name a loss or a parameter."""
+    for field in step_fields:
+        step = getattr(place, field)
+        if step is not None and step >= training.train_iters:
+            raise UsageError(f"{at}.{field} {step}: the run has steps 0..{training.train_iters - 1}")
+    name, kind = place.name, place.kind
+    if name is None:
+        return
+    if kind is None:
+        kind = "loss" if name in _loss_names(model) else "grad"
+    if kind == "loss" and name not in _loss_names(model):
+        raise UsageError(f"{at}.name {name!r}: a loss is one of {', '.join(sorted(_loss_names(model)))}")
+    if kind == "grad_norm" and name != "grad norm":
+        raise UsageError(f"{at}.name {name!r}: the grad norm is named 'grad norm' (or leave name out)")
+    if kind in ("grad", "param", "inventory"):
+        problem = _parameter_problem(name, model)
+        if problem:
+            raise UsageError(f"{at}.name {name!r} {problem}")
 
 
 def _covers(place, want) -> bool:
@@ -96,18 +107,7 @@ def _check_signature(where: str, expect: str, places, model: ModelConfig, traini
     if not places:
         raise UsageError(f"{where}: signature is an empty list: name at least one place that may differ")
     for i, p in enumerate(places):
-        at = f"{where}: signature[{i}]"
-        for field in ("step", "from_step"):
-            if getattr(p, field) is not None and getattr(p, field) >= training.train_iters:
-                raise UsageError(f"{at}.{field} {getattr(p, field)}: the run has steps 0..{training.train_iters - 1}")
-        if p.name is None:
-            continue
-        if p.kind in ("grad", "param", "inventory") or p.kind is None and p.name not in _loss_names(model):
-            problem = _parameter_problem(p.name, model)
-            if problem:
-                raise UsageError(f"{at}.name {p.name!r} {problem}")
-        elif p.kind == "loss" and p.name not in _loss_names(model):
-            raise UsageError(f"{at}.name {p.name!r}: a loss is one of {', '.join(sorted(_loss_names(model)))}")
+        _check_place(f"{where}: signature[{i}]", p, ("step", "from_step"), model, training)
     for i, want in enumerate(wants or []):
         if want.kind != "inventory" and not any(_covers(p, want) for p in places):
             raise UsageError(f"{where}: signature does not include first_divergence"

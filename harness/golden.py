@@ -246,17 +246,18 @@ def check(loaded: dict, directory: Path, traces: dict) -> tuple[dict, dict]:
 
 @dataclass
 class GoldenRequest:
-    """`verify --golden DIR` (`loaded`: `harness.golden.load`'s result, checked before anything runs) or
-    `--write-golden DIR` (`write`)."""
+    """`verify --golden DIR` (`loaded`: `load`'s result, checked before anything runs) or `--write-golden DIR`
+    (`write`); `key`: this machine's `key_for` the case, taken once before the runs and recorded as is."""
 
     directory: Path
     write: bool
+    key: dict
     loaded: Optional[dict] = None
 
 
 def key_for(plan) -> dict:
-    """This machine's golden environment key for `plan` (`harness.golden.environment_key`): the same facts
-    before the runs (to refuse a golden of another environment) as after them (to record)."""
+    """This machine's golden environment key for `plan` (`environment_key` of `harness.arithmetic.environment`
+    plus the case's device, thread count and params_dtype)."""
     return environment_key({**environment(), "device": plan.spec.device, "num_threads": plan.spec.training.num_threads,
                             "params_dtype": plan.runs[0].config.params_dtype})
 
@@ -274,7 +275,7 @@ def apply(req: Optional[GoldenRequest], plan, env: dict, traces: dict, variants:
             progress(f"[golden] not recorded: {len(failed)} variant(s) do not pass ({', '.join(failed[:3])})")
             return {"dir": str(req.directory), "environment": "same", "verdict": "fail",
                     "detail": "not recorded: not every variant passes"}
-        write(req.directory, plan.name, traces, {n: Path(d).name for n, d in dirs.items()}, key_for(plan),
+        write(req.directory, plan.name, traces, {n: Path(d).name for n, d in dirs.items()}, req.key,
                      env, {r.spec.name: trainers.versions(r.config) for r in plan.runs})
         progress(f"[golden] recorded {len(traces)} run(s) in {req.directory}")
         return {"dir": str(req.directory), "environment": "same", "verdict": "pass",
