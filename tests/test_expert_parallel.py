@@ -278,13 +278,11 @@ def test_planted_unsorted_dispatch_is_caught_at_step_0(report):
     if v["bitwise_equal"]:
         pytest.skip("the reordered expert GEMMs round alike on this machine: the fault has no effect here")
     assert v["verdict"] == "fail" and fd["step"] == 0, fd
-    # which tensor comes first is value- and BLAS-dependent: most BLAS compute a GEMM row independently of its
-    # position, so only the weight-gradient sums move (a routed expert's gradient); MKL_CBWR=COMPATIBLE rounds a
-    # row by its position too, so an activation gradient moves and with it everything upstream (in canonical
-    # order: the word embedding first), or a loss
+    # which tensor comes first is value- and BLAS-dependent, so no name is asserted: most BLAS compute a GEMM row
+    # independently of its position, so only the weight-gradient sums move (a routed expert's gradient);
+    # MKL_CBWR=COMPATIBLE rounds a row by its position too, so an expert's forward output may move, and with it the
+    # head's gradient (first in dataflow order) or a loss (measured on the CI machine: output_layer.weight)
     assert fd["kind"] in ("loss", "grad"), fd
-    if fd["kind"] == "grad" and ".mlp.experts." not in fd["name"]:
-        assert fd["name"] == "embedding.word_embeddings.weight", fd
 
 
 @pytest.mark.slow
