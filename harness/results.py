@@ -11,7 +11,7 @@ Verdict = Literal["pass", "fail", "error"]
 #: What a reader sees first, one of five (plus the reference run's own): the verdict says whether the
 #: expectation held, the outcome says what happened.
 Outcome = Literal["reference", "equal", "differs only where allowed", "differs as expected",
-                  "unexpected difference", "unexpectedly equal", "error"]
+                  "unexpected difference", "unexpectedly equal", "not finite", "error"]
 DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "param"]
 
 #: Parameter families used to group mismatches (see `trainerkit.names.family`).

@@ -8,6 +8,7 @@ module order), with per-step losses, grad norm, grad / param / buffer fingerprin
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -190,3 +191,24 @@ def check_losses(trace: Trace, num_microbatches: int, mtp_num_layers: int) -> No
             if len(x.get("mtp", [])) != mtp_num_layers:
                 raise TraceError(f"step {st.step} microbatch {x['microbatch']}: {len(x.get('mtp', []))} MTP losses, "
                                  f"expected mtp_num_layers = {mtp_num_layers}")
+
+
+def first_nonfinite(trace: Trace) -> Optional[str]:
+    """Where a run's training stopped being finite: the first NaN / inf loss (per microbatch: lm, then MTP depth
+    1..D) or grad norm, in step order, as ``'step 0 microbatch 1: lm loss is nan'`` / ``'step 2: grad norm is
+    inf'``; None when every loss and grad norm is finite.
+
+    A NaN has the same bits in every layout that produces it, so two broken runs would compare bitwise equal and
+    pass: the harness fails such a run instead, as Megatron-LM refuses to train on one
+    (``megatron/training/training.py``: ``check_for_nan_in_loss_and_grad``; the optimizer skips a step whose
+    grad norm is not finite).  Values are read from the trace's ``value`` fields (fp32 losses, fp32 / fp64 grad
+    norm); a missing grad norm (a trainer that reports none) is not checked."""
+    for st in trace.steps:
+        for rec in st.losses:
+            named = [("lm", rec.get("lm"))] + [(f"mtp_{d}", x) for d, x in enumerate(rec.get("mtp", []), start=1)]
+            for name, x in named:
+                if x is not None and not math.isfinite(x["value"]):
+                    return f"step {st.step} microbatch {rec['microbatch']}: {name} loss is {x['value']}"
+        if st.grad_norm is not None and not math.isfinite(st.grad_norm["value"]):
+            return f"step {st.step}: grad norm is {st.grad_norm['value']}"
+    return None

@@ -30,7 +30,7 @@ from .report import write_report
 from .results import CaseResult, StepSeries, VariantResult
 from .runner import RunOutcome, run_ranks
 from .runner import preload as runner_preload
-from .trace import Trace, TraceError, check_losses, merge
+from .trace import Trace, TraceError, check_losses, first_nonfinite, merge
 
 
 def _transport_facts(run_dir: Path) -> dict:
@@ -289,6 +289,14 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         corrupted = boundary_mismatches(trace) if trace is not None else []
         if corrupted and verdict != "error":
             verdict, happened, reason = "fail", "unexpected difference", f"stage boundary: {corrupted[0]}"
+        # NaN bits compare equal to themselves: a broken run must not pass as "equal" (a `diverge` run may be
+        # broken on purpose, so it only says so)
+        nonfinite = first_nonfinite(trace) if trace is not None else None
+        if nonfinite and verdict != "error":
+            if run.spec.expect == "diverge":
+                reason += f"; training not finite: {nonfinite}"
+            else:
+                verdict, happened, reason = "fail", "not finite", f"training not finite: {nonfinite}"
         fd = cmp.first_divergence if cmp else None
         where = localise(ref, trace, fd.step) if fd is not None and fd.kind != "inventory" else None
         if where:

@@ -147,7 +147,7 @@ def test_summary_dict_schema_and_values(result):
             assert type(v[key]) is typ, (key, v[key])
         assert v["verdict"] in ("pass", "fail", "error")
         assert v["outcome"] in ("", "reference", "equal", "differs only where allowed", "differs as expected",
-                                "unexpected difference", "unexpectedly equal", "error")
+                                "unexpected difference", "unexpectedly equal", "not finite", "error")
         assert v["bitwise_equal"] is None or type(v["bitwise_equal"]) is bool
         fd = v["first_divergence"]
         if fd is not None:

@@ -77,7 +77,7 @@ def summary_dict(result: CaseResult) -> dict:
                        "mtp_standalone": bool,
                        "expect": "bitwise"|"may_diverge"|"diverge", "verdict": "pass"|"fail"|"error",
                        "outcome": "reference"|"equal"|"differs only where allowed"|"differs as expected"|
-                                  "unexpected difference"|"unexpectedly equal"|"error",
+                                  "unexpected difference"|"unexpectedly equal"|"not finite"|"error",
                        "bitwise_equal": bool|None,
                        "first_divergence": None | {"step": int,
                                                    "kind": "inventory"|"loss"|"grad"|"grad_norm"|"param",

@@ -222,6 +222,7 @@ OUTCOME_STYLE = {
     "differs as expected": ("expected", "≠", "differs as expected"),
     "unexpected difference": ("unexpected", "✗", "unexpected difference"),
     "unexpectedly equal": ("unexpected", "✗", "unexpectedly equal"),
+    "not finite": ("unexpected", "✗", "not finite"),
     "error": ("error", "!", "error"),
     "reference": ("reference", "ref", "reference run"),
 }
