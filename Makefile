@@ -16,7 +16,7 @@ PORTABILITY_SETTINGS ?= ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 MKL
 PORTABILITY_TESTS    ?= tests/test_reductions.py tests/test_expert_parallel.py tests/test_verify_e2e.py \
                         tests/test_overlap.py tests/test_faults.py tests/test_evidence.py tests/test_model.py \
                         tests/test_megatron_trainer.py tests/test_crossimpl.py tests/test_mla_convention.py \
-                        tests/test_signature.py tests/test_dataflow.py tests/test_long.py
+                        tests/test_signature.py tests/test_dataflow.py tests/test_long.py tests/test_nonfinite.py
 PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml cases/megatron-dsv3.yaml
 
 # Goldens (harness.golden): the smoke case's bits, recorded and checked under the arithmetic meant to round
