@@ -44,4 +44,6 @@ def init_parameters(module, cfg: ModelConfig, seed: int) -> None:
         else:
             std = cfg.init_method_std
         gen = torch.Generator().manual_seed(name_seed(seed, name))
-        param.copy_(torch.normal(0.0, std, size=tuple(param.shape), generator=gen))
+        # fp32 draws whatever torch's default dtype: with float64 as default, torch draws another sequence
+        # (measured: different values from 16 elements on), and the init would depend on the caller
+        param.copy_(torch.normal(0.0, std, size=tuple(param.shape), generator=gen, dtype=torch.float32))

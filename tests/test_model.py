@@ -534,6 +534,21 @@ def test_chunk_init_is_name_keyed_and_layout_invariant():
     assert abs(fc2.std().item() - std / (2 * CHUNK_CFG.num_layers) ** 0.5) < 0.1 * std / 8 ** 0.5
 
 
+def test_init_does_not_depend_on_the_default_dtype():
+    """The draws are fp32 whatever torch's default dtype (the transformers oracle runs under float64)."""
+    from reference_impl.init import init_parameters
+    a = torch.nn.Parameter(torch.empty(8, 64))
+    init_parameters([("decoder.layers.0.mlp.linear_fc1.weight", a)], CHUNK_CFG, 7)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        b = torch.nn.Parameter(torch.empty(8, 64, dtype=torch.float32))
+        init_parameters([("decoder.layers.0.mlp.linear_fc1.weight", b)], CHUNK_CFG, 7)
+    finally:
+        torch.set_default_dtype(old)
+    assert torch.equal(a, b)
+
+
 def test_chunk_forward_bitwise_equal_across_layouts():
     """Chaining the 4 chunks by hand gives bitwise the P=1 losses, and the same parameter gradients
     (the two embedding copies' gradients sum to the P=1 embedding gradient)."""
