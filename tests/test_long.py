@@ -60,5 +60,13 @@ def test_train_iters_is_validated(tmp_path, cli):
     proc = cli("verify", tmp_path / "long.yaml", "--train-iters", "0", "--out", tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--train-iters must be" in proc.stderr, proc.stderr
     proc = cli("verify", tmp_path / "long.yaml", "--train-iters", "2", "--out", tmp_path)
-    assert proc.returncode == 2 and "step 2: the run has steps 0..1" in proc.stderr, proc.stderr
-    assert not (tmp_path / "long").exists()
+    # the flag caused the conflict: the line names it first
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("bitparity: error: --train-iters 2: ") and \
+        "first_divergence.step 2: the run has steps 0..1" in proc.stderr, proc.stderr
+    # a mistake of the case file itself is not blamed on the flag
+    (tmp_path / "bad.yaml").write_text(CASE.replace("pipeline_model_parallel_size: 4}",
+                                                    "pipeline_model_parallel_size: 4, inject: nope}"))
+    proc = cli("verify", tmp_path / "bad.yaml", "--train-iters", "2", "--out", tmp_path)
+    assert proc.returncode == 2 and "--train-iters" not in proc.stderr and "unknown fault 'nope'" in proc.stderr
+    assert not (tmp_path / "long").exists() and not (tmp_path / "bad").exists()
