@@ -27,7 +27,7 @@ GOLDEN_DIR  ?= goldens/smoke
 # The long profile: the dsv3 layouts for LONG_ITERS steps (bugs that show only after a few updates)
 LONG_ITERS  ?= 8
 
-.PHONY: verify verify-megatron verify-golden golden verify-long test test-megatron test-portability bench bench-gpu fuzz venv clean
+.PHONY: verify verify-megatron verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -58,11 +58,15 @@ golden: $(STAMP)
 verify-long: $(STAMP)
 	$(BIN)/bitparity verify $(LAYOUTS) --train-iters $(LONG_ITERS) --out reports/long $(ARGS)
 
-# the suite without the megatron-core tests (< 10 min on 2 cores) ...
+# the suite without the megatron-core and torchrun-launch tests (< 10 min on 2 cores) ...
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not megatron" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not megatron and not torchrun" $(ARGS)
 
-# ... and the megatron-core trainer's (~3 min; CI runs both)
+# ... the ranks launched by torchrun instead of the forkserver (~1.5 min) ...
+test-torchrun: $(STAMP)
+	$(BIN)/python -m pytest -q -m torchrun $(ARGS)
+
+# ... and the megatron-core trainer's (~3 min; CI runs all three)
 test-megatron: $(STAMP)
 	$(BIN)/python -m pytest -q -m megatron $(ARGS)
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 
 def _steps(report, run_dir):

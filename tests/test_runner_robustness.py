@@ -112,6 +112,7 @@ def test_wrong_boundary_shape_names_the_boundary(tmp_path, direction, layout, se
     assert "gloo" not in line and "code -6" not in line, line
 
 
+@pytest.mark.torchrun
 def test_torchrun_timeout_names_stuck_ranks(tmp_path):
     out = _run(tmp_path, "Et|tt|tm|L", 4, inject="hang_rank", launcher="torchrun", timeout=20)
     err = out["error"]
@@ -139,7 +140,7 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 @pytest.mark.parametrize("launcher, sig", [("fork", signal.SIGKILL), ("fork", signal.SIGHUP),
-                                           ("torchrun", signal.SIGKILL)])
+                                           pytest.param("torchrun", signal.SIGKILL, marks=pytest.mark.torchrun)])
 def test_no_process_outlives_a_killed_harness(tmp_path, launcher, sig):
     case = tmp_path / "orphans.yaml"
     case.write_text(HANG)
