@@ -72,8 +72,8 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
     for v in result.variants:
         name = md_cell(v.name) + (" (baseline)" if v.name == result.baseline else "")
         fd = divergence_words(v.first_divergence)
-        if not fd:
-            fd = "—" if v.verdict != "error" else md_cell(v.reason) or "—"
+        if not fd:      # an error, or a failure with no divergence (not finite, replicas, run-to-run): its reason
+            fd = "—" if v.verdict == "pass" else md_cell(v.reason) or "—"
         else:
             fd = md_cell(fd)
         lines.append(f"| {name} | {md_cell(v.layout)} | {int(v.pp)} | {int(v.vpp)} | "
