@@ -182,6 +182,12 @@ class CasePlan:
     spec: CaseSpec
     runs: list[PlannedRun]      # baseline first
 
+    def facts(self) -> dict:
+        """What the case adds to the machine's facts that its bits depend on: thread count, device and
+        params_dtype (recorded in the report's environment, and part of the golden key, `harness.golden`)."""
+        return {"num_threads": self.spec.training.num_threads, "device": self.spec.device,
+                "params_dtype": self.runs[0].config.params_dtype}
+
 
 def _loc(err: ValidationError) -> str:
     first = err.errors()[0]

@@ -257,9 +257,8 @@ class GoldenRequest:
 
 def key_for(plan) -> dict:
     """This machine's golden environment key for `plan` (`environment_key` of `harness.arithmetic.environment`
-    plus the case's device, thread count and params_dtype)."""
-    return environment_key({**environment(), "device": plan.spec.device, "num_threads": plan.spec.training.num_threads,
-                            "params_dtype": plan.runs[0].config.params_dtype})
+    plus the case's own facts, `harness.cases.CasePlan.facts`)."""
+    return environment_key({**environment(), **plan.facts()})
 
 
 def apply(req: Optional[GoldenRequest], plan, env: dict, traces: dict, variants: list, dirs: dict,

@@ -327,10 +327,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             localisation=where or {}, outside_signature=signature.lines(outside),
             outside_signature_count=len(outside)))
         progress(f"{verdict.upper():5} {name}: {reason}")
-    env["num_threads"] = plan.spec.training.num_threads
-    env["device"] = plan.spec.device
-    env["launcher"] = launcher
-    env["params_dtype"] = plan.runs[0].config.params_dtype
+    env.update(plan.facts(), launcher=launcher)
     env.update(_transport_facts(work / dirs[base_name]))
     cross = None
     spec = plan.spec.cross_implementation
