@@ -18,7 +18,7 @@ import torch
 
 from harness.runner import run_ranks
 from harness.trace import merge
-from reference_impl.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from trainerkit.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
 MODEL_1B = ModelConfig(vocab_size=256, hidden_size=2048, num_layers=8, moe_layer_freq="[0]*1+[1]*7",
                        num_attention_heads=16, q_lora_rank=1024, kv_lora_rank=512, qk_head_dim=128,

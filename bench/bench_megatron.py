@@ -27,7 +27,7 @@ import yaml  # noqa: E402
 
 from harness import runner  # noqa: E402
 from harness.trace import merge  # noqa: E402
-from reference_impl.config import RunConfig  # noqa: E402
+from trainerkit.config import RunConfig  # noqa: E402
 
 LAYOUT, PP = "Et|t|t|t|t|t|t|mL", 4
 

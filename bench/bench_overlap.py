@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from harness.runner import run_ranks  # noqa: E402
 from harness.trace import merge  # noqa: E402
-from reference_impl.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
+from trainerkit.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
 
 MODEL = ModelConfig(num_layers=4, moe_layer_freq="[0]*1+[1]*3", hidden_size=32, mtp_num_layers=1)
 LAYOUT, PP = "Et|tt|t|mL", 2          # P=2 V=2, MTP with the loss (the smoke case's interleaved layout)

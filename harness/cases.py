@@ -8,7 +8,7 @@ starts from another case and deep-merges this file's mappings over it)::
     description: ...
     timeout_s: 600                   # per run watchdog
     device: cpu                      # or cuda (params_dtype then defaults to bfloat16); num_gpus: N
-    model: {ModelConfig fields}      # reference_impl.config
+    model: {ModelConfig fields}      # trainerkit.config
     training: {TrainingConfig fields}
     baseline: {name, pipeline_model_parallel_layout, pipeline_model_parallel_size, options}
     trainer: reference               # or megatron-core (harness.trainers); a variant may set its own
@@ -41,9 +41,9 @@ starts from another case and deep-merges this file's mappings over it)::
         trainer: megatron-core       # this variant's trainer (default: the case's `trainer:`, itself default
                                      # reference); harness.trainers says what megatron-core can run
 
-Every layout is parsed and validated and every schedule is dry-run (`reference_impl.schedule.simulate`)
+Every layout is parsed and validated and every schedule is dry-run (`trainerkit.schedule.simulate`)
 here, before anything runs or is written.  Sizes are bounded first (`harness.bounds`: the file and its YAML alias
-expansion, P x EP ranks, P x V x num_microbatches; `reference_impl.config`: finite floats, model sizes), so a
+expansion, P x EP ranks, P x V x num_microbatches; `trainerkit.config`: finite floats, model sizes), so a
 case that passes cannot exhaust memory or processes later.
 """
 from __future__ import annotations
@@ -58,11 +58,11 @@ import re
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from reference_impl.config import (MAX_GPUS, MAX_TIMEOUT_S, ModelConfig, ParallelConfig, RunConfig, TrainingConfig,
+from trainerkit.config import (MAX_GPUS, MAX_TIMEOUT_S, ModelConfig, ParallelConfig, RunConfig, TrainingConfig,
                                    check_expert_parallel, overlap_problem)
-from reference_impl.data import DataError, TokenDataset
-from reference_impl.layout import LayoutError, PipelineLayout
-from reference_impl.schedule import ScheduleError, build_schedule, simulate
+from trainerkit.data import DataError, TokenDataset
+from trainerkit.layout import LayoutError, PipelineLayout
+from trainerkit.schedule import ScheduleError, build_schedule, simulate
 
 from . import bounds
 from . import expectations

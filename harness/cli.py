@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _layout_explain(args) -> int:
-    from reference_impl.layout import LayoutError, PipelineLayout, parse_layout
+    from trainerkit.layout import LayoutError, PipelineLayout, parse_layout
     try:
         stages = parse_layout(args.layout)
         flat = [s for stage in stages for s in stage]
@@ -93,8 +93,8 @@ def _layout_explain(args) -> int:
 
 
 def _schedule_explain(args) -> int:
-    from reference_impl.layout import PipelineLayout
-    from reference_impl.schedule import ScheduleError, build_schedule, grid, simulate, timeline
+    from trainerkit.layout import PipelineLayout
+    from trainerkit.schedule import ScheduleError, build_schedule, grid, simulate, timeline
     if min(args.pp, args.vpp, args.microbatches) < 1:
         raise UsageError("--pp, --vpp and --microbatches must be >= 1")
     if args.pp > 1024 or args.vpp > 64 or args.microbatches > 4096 or args.pp * args.vpp * args.microbatches > 200_000:
@@ -122,7 +122,7 @@ def _schedule_explain(args) -> int:
 def _verify(args, argv) -> int:
     from .cases import load_case
     from .verify import verify
-    from reference_impl.config import MAX_TIMEOUT_S, MAX_TRAIN_ITERS
+    from trainerkit.config import MAX_TIMEOUT_S, MAX_TRAIN_ITERS
     from . import golden
     if args.train_iters is not None and not 1 <= args.train_iters <= MAX_TRAIN_ITERS:
         raise UsageError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS}")

@@ -6,7 +6,7 @@ numbers, up to rounding?", which catches what is wrong the same way on every lay
 missing weight decay, a convention mismatch).  What is compared, at one step (``step``):
 
 * the initial weights: bitwise (both trainers initialise every parameter from the case seed keyed by its global
-  name, `reference_impl.init`); any difference is an error, since then nothing else means anything;
+  name, `trainerkit.init`); any difference is an error, since then nothing else means anything;
 * the parameter inventory: keys, shapes and optimizer groups (weight decay on or off);
 * each microbatch's lm and MTP losses: distance in ULPs of the fp32 values;
 * each parameter's gradient (``main_grad`` after finalize): ``max |a - b| / ulp(max |a|)``, the largest
@@ -29,7 +29,7 @@ from typing import Callable, Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from reference_impl.config import DumpConfig, RunConfig
+from trainerkit.config import DumpConfig, RunConfig
 
 from .runner import run_ranks
 from .trace import Trace, TraceError, merge

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from reference_impl.config import DumpConfig, RunConfig
+from trainerkit.config import DumpConfig, RunConfig
 
 from .runner import run_ranks
 from .trace import Trace

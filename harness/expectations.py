@@ -9,7 +9,7 @@ would never be caught: every such place is a one-line `UsageError`.  The names a
 from __future__ import annotations
 
 from trainerkit import names
-from reference_impl.config import ModelConfig, TrainingConfig
+from trainerkit.config import ModelConfig, TrainingConfig
 
 from .errors import UsageError
 

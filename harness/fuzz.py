@@ -19,9 +19,9 @@ from typing import Callable, Optional
 import yaml
 from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 
-from reference_impl.config import ParallelConfig
-from reference_impl.layout import PipelineLayout
-from reference_impl.schedule import ScheduleError, check_sizes
+from trainerkit.config import ParallelConfig
+from trainerkit.layout import PipelineLayout
+from trainerkit.schedule import ScheduleError, check_sizes
 
 from .cases import CasePlan
 from .compare import compare

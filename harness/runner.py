@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from reference_impl.config import RunConfig
+from trainerkit.config import RunConfig
 
 _CTX = mp.get_context("forkserver")
 # the launch entry point of each trainer: a module with rank_main(...) (forkserver) and main() (torchrun -m)

@@ -1,7 +1,7 @@
 """Hypothesis strategies for Megatron pipeline layouts (``pipeline_model_parallel_layout`` strings).
 
 Public API for property tests of anything that consumes a layout: the parser and validator in
-`reference_impl.layout`, schedules, the reference trainer, your own tooling. Layout semantics are Megatron-LM's
+`trainerkit.layout`, schedules, the reference trainer, your own tooling. Layout semantics are Megatron-LM's
 ``PipelineParallelLayerLayout`` (see /work/shared/megatron-semantics.md, section 1): stages are joined by ``|``,
 ``E`` embedding, ``t`` decoder layer, ``m`` MTP layer, ``L`` loss; flat stage ``i`` runs on pp rank ``i % P``,
 virtual stage ``i // P``.
@@ -15,14 +15,14 @@ loss and the plain ``|``-joined spelling):
 * `invalid_layouts` -> ``(text, pp, rule)``: a layout breaking exactly one named rule (see `INVALID_RULES`).
 * `layout_text` -> arbitrary text over the layout alphabet plus noise, for fuzzing parsers.
 
-Every valid layout also satisfies `reference_impl.schedule.check_sizes` for the size pair: P = 1 implies V = 1
+Every valid layout also satisfies `trainerkit.schedule.check_sizes` for the size pair: P = 1 implies V = 1
 (interleaving additionally needs ``num_microbatches % P == 0``, which is the caller's choice of M).
 
 Example::
 
     from hypothesis import given
     from harness.strategies import layouts, stage_grids, spellings
-    from reference_impl.layout import PipelineLayout
+    from trainerkit.layout import PipelineLayout
 
     @given(layouts(num_layers=8, mtp_num_layers=1, mtp_placement="standalone"))
     def test_standalone_mtp_is_not_on_the_loss_rank(case):
@@ -60,7 +60,7 @@ _MAX_P, _MAX_V = 8, 4
 _SYMBOLS = frozenset("EtmL")
 _MAX_UNIT = 64  # longest repeated unit considered for a '(..)*n' group
 
-# rule -> what the layout breaks (messages of reference_impl.layout name the rule in these terms)
+# rule -> what the layout breaks (messages of trainerkit.layout name the rule in these terms)
 INVALID_RULES = {
     "syntax": "not a well-formed layout string (unknown character, whitespace, '*0', '()', unbalanced "
               "parentheses, missing or chained count, stray digit)",
@@ -231,7 +231,7 @@ def stage_grids(num_layers: int, mtp_num_layers: int, pp: SizeArg = None, vpp: S
     * ``allow_displaced_ends``: deprecated, ignored (a ``DeprecationWarning`` when true). Empty stages before
       E's stage or after L's stage (``"|E|t|L"``, ``"E|tm|L|"``) pass Megatron's validator (it checks E/L in
       flattened order only), but Megatron embeds on the first stage and computes the loss on the last whatever
-      the string says, so `reference_impl.layout` now rejects them and no strategy generates them.
+      the string says, so `trainerkit.layout` now rejects them and no strategy generates them.
 
     Shrinks toward few stages (P = 1, V = 1), MTP with the loss, E and L in the first and last stage, and
     decoder layers packed together.
@@ -359,7 +359,7 @@ def _grid_string(grid) -> str:
 
 def spellings(grid, *, megatron_compatible: bool = False, commas: bool = True,
               max_depth: int = 3) -> st.SearchStrategy:
-    """Strings that parse (``reference_impl.layout.parse_layout``) to exactly ``grid``.
+    """Strings that parse (``trainerkit.layout.parse_layout``) to exactly ``grid``.
 
     Forms: the plain spelling (stages joined by '|'; the shrink target), a greedy compact spelling in Megatron's
     style (``Et*3(|tt)*29|m|L``), and random mixes of: run lengths ``t*3`` (also ``|*2`` and ``x*1``), repeated

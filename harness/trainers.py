@@ -12,7 +12,7 @@ import importlib.metadata
 import warnings
 from typing import Optional
 
-from reference_impl.config import RunConfig
+from trainerkit.config import RunConfig
 
 def megatron_version() -> Optional[str]:
     """The installed megatron-core's version (distribution metadata: no import), or None."""

@@ -17,8 +17,8 @@ from typing import Callable, Optional
 import dataclasses
 from dataclasses import asdict
 
-from reference_impl.config import CheckpointConfig
-from reference_impl.schedule import build_schedule, serialise, timeline
+from trainerkit.config import CheckpointConfig
+from trainerkit.schedule import build_schedule, serialise, timeline
 
 from . import crossimpl, golden, outdir, signature, trainers
 from .arithmetic import environment

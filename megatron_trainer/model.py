@@ -8,7 +8,7 @@ block spec where the layout puts MTP layers (``get_gpt_mtp_block_spec`` returns 
 the spec of the *global* last decoder layer (an MTP-only stage's own block spec is empty).  Local (non-TE) specs; plain RoPE.
 
 Then every parameter is renamed to its global name (`global_parameters`) and re-initialised from the case seed
-keyed by that name (`reference_impl.init`), as the reference trainer does: Megatron's own init depends on which
+keyed by that name (`trainerkit.init`), as the reference trainer does: Megatron's own init depends on which
 parameters a rank builds, which would make every layout start from other weights.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from reference_impl.config import RunConfig
+from trainerkit.config import RunConfig
 from trainerkit import names
 
 from . import faults
@@ -75,7 +75,7 @@ def transformer_config(cfg: RunConfig):
 
 def _virtual_size(cfg: RunConfig):
     """V, or None for V = 1 (megatron's convention: None selects the non-interleaved schedules)."""
-    from reference_impl.layout import PipelineLayout
+    from trainerkit.layout import PipelineLayout
 
     par, m = cfg.parallel, cfg.model
     layout = PipelineLayout.from_string(par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size,

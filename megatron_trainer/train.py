@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from reference_impl.config import RunConfig
-from reference_impl.data import TokenDataset
-from reference_impl.init import init_parameters
+from trainerkit.config import RunConfig
+from trainerkit.data import TokenDataset
+from trainerkit.init import init_parameters
 from trainerkit import names
 from trainerkit.capture import FORMAT, TraceWriter, dump_tensors, scalar
 from trainerkit.fingerprint import fingerprint_hex_many

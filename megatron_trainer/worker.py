@@ -36,7 +36,7 @@ try:                            # the optional extra: without it the harness say
 except ImportError:
     pass
 
-from reference_impl.config import RunConfig
+from trainerkit.config import RunConfig
 
 
 def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None) -> None:

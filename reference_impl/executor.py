@@ -25,7 +25,7 @@ from . import faults
 from .model.chunk import Microbatch, StageChunk
 from .model.losses import LossOutput
 from .model.plan import ChunkPlan, run_combined
-from .schedule import Action
+from trainerkit.schedule import Action
 
 
 class BoundaryShapeError(RuntimeError):

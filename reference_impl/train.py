@@ -19,17 +19,17 @@ from trainerkit.capture import FORMAT, TraceWriter, dump_tensors, scalar
 from trainerkit.fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
 
 from . import checkpoint, faults
-from .config import RunConfig
-from .data import TokenDataset
+from trainerkit.config import RunConfig
+from trainerkit.data import TokenDataset
 from .executor import StepExecutor
-from .init import init_parameters
+from trainerkit.init import init_parameters
 from .probe import Probe
 from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
-from .layout import PipelineLayout
+from trainerkit.layout import PipelineLayout
 from .model.chunk import Microbatch, StageChunk
 from .model.expert_parallel import ExpertParallel
 from .model.moe import Router
-from .schedule import build_schedule
+from trainerkit.schedule import build_schedule
 
 
 class RankState:

@@ -20,7 +20,7 @@ import torch
 import torch._inductor.config  # noqa: F401  use_deterministic_algorithms imports it (~2 s): pay once, pre-fork
 import torch.distributed as dist
 
-from .config import RunConfig
+from trainerkit.config import RunConfig
 from .train import train
 from .transport import setup
 

@@ -1,4 +1,4 @@
-"""Tests for reference_impl/data.py: deterministic real-text microbatches and the three data sources.
+"""Tests for trainerkit/data.py: deterministic real-text microbatches and the three data sources.
 
 The Megatron MMIDIDX index is written here from the format description (megatron/core/datasets/
 indexed_dataset.py), not with the reader under test.
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from reference_impl.config import DataConfig
-from reference_impl.data import DataError, TokenDataset, load_documents
+from trainerkit.config import DataConfig
+from trainerkit.data import DataError, TokenDataset, load_documents
 
 S, B, V = 32, 2, 256
 

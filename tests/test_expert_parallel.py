@@ -22,8 +22,8 @@ import torch
 from conftest import run_cli
 from harness.trace import TraceError, merge
 from trainerkit import names
-from reference_impl.config import ModelConfig
-from reference_impl.init import init_parameters
+from trainerkit.config import ModelConfig
+from trainerkit.init import init_parameters
 from reference_impl.model.expert_parallel import ExpertParallel, plan_dispatch, sort_chunks, unsort_chunks
 from reference_impl.model.moe import MoELayer
 from test_cli_errors import _check_usage_error

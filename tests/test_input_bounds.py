@@ -18,8 +18,8 @@ from harness.cases import load_case
 from harness.cli import main
 from harness.errors import UsageError
 from harness.strategies import layouts, stage_grids
-from reference_impl.config import parse_moe_layer_freq
-from reference_impl.layout import LayoutError, PipelineLayout
+from trainerkit.config import parse_moe_layer_freq
+from trainerkit.layout import LayoutError, PipelineLayout
 from conftest import ROOT
 
 CASE = textwrap.dedent("""\

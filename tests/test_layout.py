@@ -1,10 +1,10 @@
-"""Tests for reference_impl/layout.py (Megatron's PipelineParallelLayerLayout semantics, no torch)."""
+"""Tests for trainerkit/layout.py (Megatron's PipelineParallelLayerLayout semantics, no torch)."""
 import enum
 import pickle
 
 import pytest
 
-from reference_impl.layout import SYMBOLS, LayoutError, PipelineLayout, parse_layout
+from trainerkit.layout import SYMBOLS, LayoutError, PipelineLayout, parse_layout
 
 E, t, m, L = "E", "t", "m", "L"
 DSV3 = "Et*3|(tt|)*29,m|L"  # Megatron docs: DeepSeek-V3, 61 layers, 1 MTP layer

@@ -25,7 +25,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
-from reference_impl.config import ModelConfig  # noqa: E402
+from trainerkit.config import ModelConfig  # noqa: E402
 from reference_impl.model.attention import MLASelfAttention  # noqa: E402
 from reference_impl.model.common import apply_rope, rope_cos_sin  # noqa: E402
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from trainerkit import names
-from reference_impl.config import ModelConfig, parse_moe_layer_freq
-from reference_impl.init import init_parameters
-from reference_impl.layout import PipelineLayout
+from trainerkit.config import ModelConfig, parse_moe_layer_freq
+from trainerkit.init import init_parameters
+from trainerkit.layout import PipelineLayout
 from reference_impl.model.chunk import Microbatch, StageChunk
 from reference_impl.model.common import LossAutoScaler, roll_left, rope_cos_sin
 from reference_impl.model.losses import lm_and_mtp_loss
@@ -536,7 +536,7 @@ def test_chunk_init_is_name_keyed_and_layout_invariant():
 
 def test_init_does_not_depend_on_the_default_dtype():
     """The draws are fp32 whatever torch's default dtype (the transformers oracle runs under float64)."""
-    from reference_impl.init import init_parameters
+    from trainerkit.init import init_parameters
     a = torch.nn.Parameter(torch.empty(8, 64))
     init_parameters([("decoder.layers.0.mlp.linear_fc1.weight", a)], CHUNK_CFG, 7)
     old = torch.get_default_dtype()

@@ -35,9 +35,9 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
     DeepseekV3DecoderLayer, DeepseekV3RMSNorm)
 
-from reference_impl.config import ModelConfig  # noqa: E402
-from reference_impl.init import init_parameters  # noqa: E402
-from reference_impl.layout import PipelineLayout  # noqa: E402
+from trainerkit.config import ModelConfig  # noqa: E402
+from trainerkit.init import init_parameters  # noqa: E402
+from trainerkit.layout import PipelineLayout  # noqa: E402
 from reference_impl.model.chunk import Microbatch, StageChunk  # noqa: E402
 
 D = 2

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from conftest import run_cli
-from reference_impl.config import ModelConfig
-from reference_impl.init import init_parameters
-from reference_impl.layout import PipelineLayout
+from trainerkit.config import ModelConfig
+from trainerkit.init import init_parameters
+from trainerkit.layout import PipelineLayout
 from reference_impl.model.chunk import Microbatch, StageChunk
 from reference_impl.model.linear import Linear, delayed_wgrad, run_wgrad
 from reference_impl.model.plan import ChunkPlan, run_combined
-from reference_impl.schedule import ScheduleError, build_schedule, compute_order, grid, simulate, timeline
+from trainerkit.schedule import ScheduleError, build_schedule, compute_order, grid, simulate, timeline
 
 # --- schedule -------------------------------------------------------------------------------------------------
 
@@ -57,7 +57,7 @@ def test_overlap_schedules_simulate_and_never_pair_one_chunk_microbatch(pp, vpp,
 
 def test_simulator_rejects_a_pair_of_the_same_chunk_and_microbatch():
     """Without Megatron's extra warmup microbatch the last rank would pair F and B of one (chunk, mb)."""
-    from reference_impl.schedule import Action
+    from trainerkit.schedule import Action
     lists = [[Action("FB", 0, 0, b_stage=0, b_microbatch=0), Action("F", 0, 1), Action("B", 0, 1)]]
     with pytest.raises(ScheduleError, match="one chunk and microbatch"):
         simulate(lists)
@@ -251,7 +251,7 @@ def test_impossible_overlap_configs_are_one_line_errors(tmp_path, variant, messa
 
 
 def test_overlap_restrictions_on_the_model():
-    from reference_impl.config import overlap_problem
+    from trainerkit.config import overlap_problem
     assert overlap_problem(CFG, True, True) is None
     assert "at most one MTP layer" in overlap_problem(CFG.model_copy(update={"mtp_num_layers": 2}), True, False)
     dense_last = CFG.model_copy(update={"moe_layer_freq": "[1]*3+[0]*1"})

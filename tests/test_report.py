@@ -1321,8 +1321,8 @@ DSV3_RUNS += [
 def _dsv3_timeline(layout_key: str, overlap: bool) -> list[dict]:
     from dataclasses import asdict
 
-    from reference_impl.layout import PipelineLayout
-    from reference_impl.schedule import build_schedule, timeline
+    from trainerkit.layout import PipelineLayout
+    from trainerkit.schedule import build_schedule, timeline
     text, pp = DSV3_LAYOUTS[layout_key]
     layout = PipelineLayout.from_string(text, pp, 61, 1)
     cells, _ = timeline(build_schedule(layout, 16, 16, 1, 32, overlap))

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""\
     import json, sys
     from pathlib import Path
     from harness.runner import run_ranks
-    from reference_impl.config import RunConfig
+    from trainerkit.config import RunConfig
 
     def main():
         layout, pp, inject, launcher, timeout, out = sys.argv[1:]
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent("""\
 # [(1+D)s, b, h] forgotten, on the sender's and the receiver's side alike (so the dry-run still agrees).
 PLANT = textwrap.dedent("""\
     import dataclasses
-    import reference_impl.schedule as schedule
+    import trainerkit.schedule as schedule
 
     _build = schedule.build_schedule
 

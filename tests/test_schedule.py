@@ -2,8 +2,8 @@
 independently), and the dry-run simulator's rejections."""
 import pytest
 
-from reference_impl.layout import PipelineLayout
-from reference_impl.schedule import (Action, ScheduleError, build_schedule, compute_order, schedule_table,
+from trainerkit.layout import PipelineLayout
+from trainerkit.schedule import (Action, ScheduleError, build_schedule, compute_order, schedule_table,
                                      simulate)
 
 
@@ -111,7 +111,7 @@ def test_interleaved_needs_divisible_microbatches():
 
 def test_timeline_bubble_fraction_matches_1f1b_formula():
     """1F1B with forward 1 / backward 2: bubble = (P-1)(1+2) / (M(1+2) + (P-1)(1+2)) = (P-1)/(M+P-1)."""
-    from reference_impl.schedule import timeline
+    from trainerkit.schedule import timeline
     for pp, m in ((2, 4), (4, 8), (4, 4)):
         text = "|".join(["Et"] + ["t"] * (pp - 2) + ["tL"])
         cells, bubble = timeline(build_schedule(_layout(text, pp, pp, 0), m, 1, 1, 1))

@@ -2,7 +2,7 @@
 
 They check that every generated layout is what it claims (valid, right placement, every spelling parses to its
 grid, every invalid layout breaks its rule), that the strategies keep reaching every feature (so coverage cannot
-be lost silently), that they shrink to minimal layouts, and fuzz `reference_impl.layout` with arbitrary text.
+be lost silently), that they shrink to minimal layouts, and fuzz `trainerkit.layout` with arbitrary text.
 
 Profiles: HYPOTHESIS_PROFILE=ci (default, modest example counts) or HYPOTHESIS_PROFILE=fuzz (many examples),
 e.g. ``HYPOTHESIS_PROFILE=fuzz .venv/bin/python -m pytest -q tests/test_strategies.py``.
@@ -18,8 +18,8 @@ from hypothesis.errors import InvalidArgument
 
 from harness.strategies import (INVALID_RULES, invalid_layouts, layout_text, layouts, plain, spellings,
                                 stage_grids)
-from reference_impl.layout import LayoutError, PipelineLayout, parse_layout
-from reference_impl.schedule import check_sizes
+from trainerkit.layout import LayoutError, PipelineLayout, parse_layout
+from trainerkit.schedule import check_sizes
 
 # "ci" keeps hypothesis' default example count, so loading it leaves other modules' tests unchanged
 settings.register_profile("ci", deadline=None, max_examples=100, print_blob=True)
@@ -214,7 +214,7 @@ def test_spellings_rejects_bad_grids():
 
 # --- invalid layouts ------------------------------------------------------------------------------------------
 
-# rule -> substrings of reference_impl.layout's message (None: a syntax error, identified by its position)
+# rule -> substrings of trainerkit.layout's message (None: a syntax error, identified by its position)
 KEYWORDS = {
     "syntax": None,
     "t_count": ["decoder layers 't' but num_layers="],

@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from conftest import ROOT, run_cli
 from harness.trace import Trace
 from planted import planted_tree, run_planted
-from reference_impl.config import ModelConfig
-from reference_impl.init import init_parameters
+from trainerkit.config import ModelConfig
+from trainerkit.init import init_parameters
 from reference_impl.model.moe import Router, boundary_ties, group_limited_topk
 
 TIES = ROOT / "cases" / "ties.yaml"
@@ -115,7 +115,7 @@ def test_router_init_std_is_bounded():
 
 
 def test_router_init_std_changes_only_router_weights():
-    from reference_impl.layout import PipelineLayout
+    from trainerkit.layout import PipelineLayout
     from reference_impl.model.chunk import StageChunk
 
     def init(cfg):

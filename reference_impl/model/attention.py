@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from trainerkit.config import ModelConfig
 from .common import RMSNorm, apply_rope
 from .linear import Linear
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from .. import faults
-from ..config import ModelConfig
-from ..layout import PipelineLayout
+from trainerkit.config import ModelConfig
+from trainerkit.layout import PipelineLayout
 from .common import RMSNorm, rope_cos_sin
 from .layer import TransformerLayer
 from .losses import LossOutput, lm_and_mtp_loss

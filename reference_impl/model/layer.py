@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from trainerkit.config import ModelConfig
 from .attention import MLASelfAttention
 from .common import RMSNorm, SwiGLUMLP, fanout
 from .moe import MoELayer

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from trainerkit.config import ModelConfig
 from .common import LossAutoScaler, SwiGLUMLP, fanout
 from .expert_parallel import (ExpertParallel, RepeatRows, all_to_all, gather_shards, plan_dispatch, sort_chunks,
                               take_shard, unsort_chunks)

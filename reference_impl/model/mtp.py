@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from trainerkit.config import ModelConfig
 from .common import RMSNorm, fanout, roll_left
 from .layer import TransformerLayer
 from .linear import Linear
