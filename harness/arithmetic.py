@@ -33,6 +33,27 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_family() -> str:
+    """The CPU's vendor and family ('AuthenticAMD family 25', 'GenuineIntel family 6'), from /proc/cpuinfo;
+    'unknown' elsewhere.  Vendors' math libraries take other code paths by vendor (measured: MKL's vector
+    square root rounds differently on Intel and AMD under ``MKL_CBWR=COMPATIBLE``), so goldens say on which
+    families they were checked (`harness.golden`)."""
+    fields: dict = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            if key in ("vendor_id", "cpu family") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break
+    except OSError:
+        pass
+    if "vendor_id" not in fields:
+        return "unknown"
+    return f"{fields['vendor_id']} family {fields.get('cpu family', '?')}"
+
+
 def _blas(config: str) -> dict:
     """BLAS name and version from ``torch.__config__.show()`` (the build's BLAS_INFO and its MKL line)."""
     info = re.search(r"BLAS_INFO=(\w+)", config)
@@ -64,7 +85,7 @@ def _cublas_version() -> str:
 def arithmetic_facts() -> dict:
     """The facts that decide how floating-point results round on this machine (strings and ints, JSON-ready).
 
-    Keys: ``cpu_model``, ``aten_cpu_capability`` (the kernel set ATen dispatches to, after
+    Keys: ``cpu_model``, ``cpu_family`` (vendor and family), ``aten_cpu_capability`` (the kernel set ATen dispatches to, after
     ``ATEN_CPU_CAPABILITY``), ``blas`` / ``blas_version``, ``mkl_cbwr`` (MKL's conditional numerical
     reproducibility branch, ``unset`` = automatic), ``torch_num_threads`` (this process; the ranks set the
     case's ``num_threads``), ``env`` ({variable: value} of `ARITHMETIC_ENV` that are set), and with a CUDA
@@ -72,7 +93,7 @@ def arithmetic_facts() -> dict:
     """
     import torch
 
-    facts: dict = {"cpu_model": cpu_model()}
+    facts: dict = {"cpu_model": cpu_model(), "cpu_family": cpu_family()}
     try:
         facts["aten_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):

@@ -8,14 +8,21 @@ bits depend on.  ``bitparity verify CASE --golden DIR`` compares every run with 
 layout comparison (`harness.compare.compare`: the first difference in dataflow order); ``--write-golden DIR``
 records them (only from a run whose verdicts all pass).
 
-Environment: bits are only comparable under the same arithmetic (torch build, ATen kernel set, MKL's
+Environment: bits are only comparable under the same arithmetic (torch build, Python, ATen kernel set, MKL's
 reproducibility branch, BLAS, device, dtype, thread count: `environment_key`; per run, the trainer's
 versions).  A golden from another environment is refused before anything runs, naming the field (comparing
-would blame the code for the machine); so is one whose step count differs from the run's (``--train-iters``).  The CPU model is recorded but not part of the key: the
-shipped goldens are recorded with ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`` (``make golden``),
-the arithmetic that is meant to round alike on every x86-64 CPU.
+would blame the code for the machine); so is one whose step count differs from the run's (``--train-iters``).
+The shipped goldens are recorded with ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`` (``make golden``).
 
-Layout (``DIR``): ``golden.json`` {format, case, environment, recorded: {cpu_model, bitparity}, variants: {name:
+CPU family (vendor and family, `harness.arithmetic.cpu_family`): not a refusal but a record of where the goldens
+held.  ``checked_on`` lists the families on which these goldens were recorded or confirmed bitwise.  On a
+family not in it the runs are compared all the same: equal -> pass (and ``--write-golden`` adds the family);
+different -> verdict ``unchecked``, one line saying the goldens were never checked on this family, not a code
+failure (vendors' math libraries round differently: measured for MKL's vector square root, which is why the
+reference trainer's optimizer does not use it, `reference_impl.optimizer`).
+
+Layout (``DIR``): ``golden.json`` {format, case, environment, checked_on: [cpu family], recorded: {cpu_model,
+bitparity}, variants: {name:
 {file: "runs/<stem>.json", trainer}}} and one ``runs/<stem>.json`` per distinct run (compact JSON, sorted keys,
 one step per line; the bitwise-equal layouts of a case share one file).  Everything is validated when the
 golden is loaded, before any run; a refresh touches only the files its own index names.
@@ -38,7 +45,7 @@ from .trace import StepTrace, Trace
 FORMAT = "bitparity-golden/2"
 #: The environment facts a trace's bits depend on (`harness.arithmetic.environment`'s keys plus the case's device,
 #: params_dtype and num_threads); each variant's entry also keeps its trainer's versions.
-KEY_FIELDS = ("torch", "machine", "aten_cpu_capability", "mkl_cbwr", "blas", "blas_version", "gpu", "cuda",
+KEY_FIELDS = ("torch", "python", "machine", "aten_cpu_capability", "mkl_cbwr", "blas", "blas_version", "gpu", "cuda",
               "cublas", "device", "params_dtype", "num_threads")
 #: StepTrace fields that are not bits of the computation (or are not captured by every run).
 _VOLATILE = ("time_s", "activations", "boundaries", "router_ties", "actions")
@@ -186,6 +193,9 @@ def write(directory: Path, case: str, traces: dict, files: dict, key: dict, env:
     index_path = directory / "golden.json"
     old = _read_index(directory, "--write-golden") if index_path.exists() else {"variants": {}, "environment": {}}
     same = old.get("case") == case and old["environment"] == key
+    unchanged = same and all(n in old["variants"] for n in traces) and all(
+        (directory / old["variants"][n]["file"]).is_file()
+        and (directory / old["variants"][n]["file"]).read_text() == _dump(_golden_trace(t)) for n, t in traces.items())
     keep = {n: e for n, e in old["variants"].items() if n not in traces} if same else {}
     by_text: dict = {}
     for name, trace in traces.items():
@@ -202,7 +212,11 @@ def write(directory: Path, case: str, traces: dict, files: dict, key: dict, env:
         variants.update({name: {"file": file, "trainer": trainers[name]} for name in group})
     for stale in {e["file"] for e in old["variants"].values()} - {e["file"] for e in variants.values()}:
         (directory / stale).unlink(missing_ok=True)
+    # the same bits from another CPU family confirm the goldens there; other bits start the list again
+    family = env.get("cpu_family", "unknown")
+    checked = sorted(set(old.get("checked_on", [])) | {family}) if unchanged else [family]
     index = {"format": FORMAT, "case": case, "environment": key, "variants": dict(sorted(variants.items())),
+             "checked_on": checked,
              "recorded": {"cpu_model": env.get("cpu_model"), "bitparity": env.get("bitparity")}}
     tmp = directory / ".golden.json.tmp"
     tmp.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
@@ -214,14 +228,18 @@ def _trace(raw: dict, run: Trace) -> Trace:
                  **{k: getattr(run, k) for k in _PER_RUN})
 
 
-def check(loaded: dict, directory: Path, traces: dict) -> tuple[dict, dict]:
-    """Compare each run of `traces` ({variant: Trace, or None when it errored}) with its golden (`load`'s result).
+def check(loaded: dict, directory: Path, traces: dict, family: str) -> tuple[dict, dict]:
+    """Compare each run of `traces` ({variant: Trace, or None when it errored}) with its golden (`load`'s result)
+    on a machine of CPU family `family`.
 
-    Returns (case record {dir, environment: "same", recorded, verdict, detail}, {variant: {status,
-    first_divergence, detail}}) with status ``equal`` / ``differs`` / ``missing`` (no golden for that variant) /
-    ``not run``.
+    Returns (case record {dir, environment: "same", recorded, checked_on, verdict, detail}, {variant: {status,
+    first_divergence, detail}}) with status ``equal`` / ``differs`` / ``unchecked`` (differs, on a CPU family
+    the goldens were never checked on) / ``missing`` (no golden for that variant) / ``not run``; verdict
+    ``pass`` / ``fail`` / ``unchecked`` (every difference is of the ``unchecked`` kind: not a code failure).
     """
     index, per = loaded["index"], {}
+    checked_on = index.get("checked_on", [])
+    known = family in checked_on
     for name, trace in traces.items():
         entry = index["variants"].get(name)
         if trace is None:
@@ -231,16 +249,23 @@ def check(loaded: dict, directory: Path, traces: dict) -> tuple[dict, dict]:
                          "detail": f"no golden for variant {name!r} in {directory} (record with --write-golden)"}
         else:
             fd = compare(_trace(loaded["traces"][entry["file"]], trace), trace).first_divergence
-            per[name] = {"status": "equal" if fd is None else "differs",
+            per[name] = {"status": "equal" if fd is None else "differs" if known else "unchecked",
                          "first_divergence": asdict(fd) if fd else None,
                          "detail": "bitwise equal to the golden" if fd is None else
                          f"first difference from the golden (golden vs this run): step {fd.step} {fd.kind} "
                          f"{fd.name}: {fd.detail}"}
     bad = [n for n, r in per.items() if r["status"] != "equal"]
+    unchecked = bool(bad) and all(per[n]["status"] == "unchecked" for n in bad)
     case = {"dir": str(directory), "environment": "same", "recorded": index.get("recorded", {}),
-            "verdict": "fail" if bad else "pass",
+            "checked_on": checked_on, "verdict": "unchecked" if unchecked else "fail" if bad else "pass",
             "detail": f"{len(bad)} of {len(per)} run(s) not bitwise equal to their golden: {', '.join(bad[:3])}"
             if bad else f"{len(per)} run(s) bitwise equal to their goldens"}
+    if unchecked:
+        case["detail"] = (f"goldens checked on {', '.join(checked_on) or 'no CPU family'}, never on {family}: "
+                          f"{len(bad)} of {len(per)} run(s) differ, not counted as a code change (confirm the "
+                          "goldens on this family from a known-good commit: `make golden`)")
+    elif not bad and not known:
+        case["detail"] += f" (first check on {family}: `make golden` adds it to checked_on)"
     return case, per
 
 
@@ -279,7 +304,7 @@ def apply(req: Optional[GoldenRequest], plan, env: dict, traces: dict, variants:
         progress(f"[golden] recorded {len(traces)} run(s) in {req.directory}")
         return {"dir": str(req.directory), "environment": "same", "verdict": "pass",
                 "detail": f"recorded {len(traces)} run(s)"}
-    case, per = check(req.loaded, req.directory, traces)
+    case, per = check(req.loaded, req.directory, traces, env.get("cpu_family", "unknown"))
     for v in variants:
         v.golden = per[v.name]
         if v.golden["status"] != "equal":

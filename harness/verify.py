@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import asdict
 
 from trainerkit.config import CheckpointConfig
+from trainerkit.data import text_sha256
 from trainerkit.schedule import build_schedule, serialise, timeline
 
 from . import crossimpl, golden, outdir, signature, trainers
@@ -70,6 +71,7 @@ def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optio
             "schedule": serialise(lists), "environment": env, "num_threads": t.num_threads,
             "device": run.config.device, "seed": t.seed, "command": command,
             "trainer": trainers.versions(run.config),
+            "data": {"path": t.data.path or "(shipped) trainerkit/text", "sha256": text_sha256(t.data)},
             "timings": {"elapsed_s": outcome.elapsed_s, "step_time_s": step_times}, "ok": outcome.ok,
             "error": outcome.error}
 

@@ -29,6 +29,7 @@ from trainerkit.layout import PipelineLayout
 from .model.chunk import Microbatch, StageChunk
 from .model.expert_parallel import ExpertParallel
 from .model.moe import Router
+from .optimizer import AdamW
 from trainerkit.schedule import build_schedule
 
 
@@ -132,16 +133,14 @@ class RankState:
                 for name, module in chunk.named_modules() if isinstance(module, Router)}
 
 
-def make_optimizer(state: RankState) -> torch.optim.Optimizer:
-    """AdamW (β1, β2 from the config), weight decay on matrices only; the single-tensor (non-foreach)
-    implementation so each parameter's update depends on nothing but its own tensors."""
+def make_optimizer(state: RankState) -> AdamW:
+    """AdamW (β1, β2 from the config), weight decay on matrices only (`optimizer.AdamW`: one tensor at a time,
+    the same bits on every CPU and GPU)."""
     t = state.cfg.training
     decay = [p.master for key, _, _, p, _ in state.params if state.weight_decay[key]]
     no_decay = [p.master for key, _, _, p, _ in state.params if not state.weight_decay[key]]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                             foreach=False, fused=False)
+    return AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                 lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
 
 
 def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,10 +8,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args, cwd=ROOT, timeout=600):
-    """Run ``python -m harness ARGS``; returns the CompletedProcess (text mode)."""
+def run_cli(*args, cwd=ROOT, timeout=600, env=None):
+    """Run ``python -m harness ARGS`` (`env`: variables added to this process's environment); returns the
+    CompletedProcess (text mode)."""
     return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
 @pytest.fixture

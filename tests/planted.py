@@ -35,6 +35,7 @@ def planted_tree(dest: Path, edits: dict[str, list[tuple[str, str]]]) -> Path:
     return dest
 
 
-def run_planted(tree: Path, *args, timeout=600):
-    """``python -m harness ARGS`` importing the planted copy in `tree` (see `planted_tree`)."""
-    return run_cli(*args, cwd=tree, timeout=timeout)
+def run_planted(tree: Path, *args, timeout=600, env=None):
+    """``python -m harness ARGS`` importing the planted copy in `tree` (see `planted_tree`); `env`: variables
+    added to the environment."""
+    return run_cli(*args, cwd=tree, timeout=timeout, env=env)

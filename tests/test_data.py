@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trainerkit.config import DataConfig
+from trainerkit import text
 from trainerkit.data import DataError, TokenDataset, load_documents
 
 S, B, V = 32, 2, 256
@@ -82,13 +83,84 @@ def test_tokens_labels_shift_and_mask(default_ds):
 
 
 def test_default_rows_are_real_english_text(default_ds):
-    """Each row is a contiguous piece of one pydoc_data.topics document (byte-level tokens)."""
-    from pydoc_data.topics import topics
-    docs = [t.encode("utf-8") for t in topics.values()]
+    """Each row is a contiguous piece of one document of the shipped text (byte-level tokens)."""
+    docs = text.documents()
     tokens, labels, _ = default_ds.microbatch(0, 3)
     for row in full_rows(tokens, labels):
         piece = bytes(unpadded(row))
         assert len(piece) >= 2 and any(piece in d for d in docs)
+
+
+# --- the shipped text: the same bytes and token stream on every Python ------------------------------------
+
+#: sha256 of the first 8 microbatches of steps 0..2 at the defaults above (tokens then labels, int64
+#: little-endian): a function of the shipped bytes, the seed and numpy's PCG64 only
+STREAM_SHA256 = "dc186879bb86c1d333eb5e8e81247c696a26b83c82712eae5d495034e86d6ac2"
+
+
+def _interpreters():
+    """Every CPython >= 3.10 this machine has (pyenv's versions, plus this one)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    found = {sys.executable}
+    root = Path(subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip() or "/nonexistent") \
+        if shutil.which("pyenv") else Path("/nonexistent")
+    for exe in sorted((root / "versions").glob("3.*/bin/python3")):
+        if tuple(map(int, exe.parent.parent.name.split(".")[:2])) >= (3, 10):
+            found.add(str(exe))
+    return sorted(found)
+
+
+def test_shipped_text_is_the_same_bytes_under_every_python():
+    """The documents (bytes and boundaries) read by each interpreter the machine has, stdlib only."""
+    import subprocess
+    from pathlib import Path
+    root = Path(text.__file__).resolve().parent.parent.parent
+    probe = ("import hashlib, sys; sys.path.insert(0, sys.argv[1]); import trainerkit.text as t; "
+             "d = t.documents(); print(len(d), hashlib.sha256(b'|'.join(hashlib.sha256(x).digest() for x in d)).hexdigest())")
+    seen = {}
+    for exe in _interpreters():
+        out = subprocess.run([exe, "-c", probe, str(root)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, (exe, out.stderr[-500:])
+        seen[exe] = out.stdout.strip()
+    assert len(set(seen.values())) == 1 and next(iter(seen.values())).startswith("79 "), seen
+
+
+def test_default_token_stream_is_pinned():
+    import hashlib
+    ds = TokenDataset(DataConfig(), seed=1234, seq_length=S, micro_batch_size=B, vocab_size=V)
+    h = hashlib.sha256()
+    for step in range(3):
+        for mb in range(8):
+            tokens, labels, _ = ds.microbatch(step, mb)
+            h.update(tokens.numpy().astype("<i8").tobytes() + labels.numpy().astype("<i8").tobytes())
+    assert h.hexdigest() == STREAM_SHA256
+
+
+def test_a_changed_shipped_text_is_one_line_naming_the_file(tmp_path):
+    bad = tmp_path / "topics.txt"
+    raw = bytearray(text.PATH.read_bytes())
+    raw[1000] ^= 0x20
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(text.TextError, match=rf"^{bad}: sha256 [0-9a-f]{{16}}\.\.\. is not the pinned a00e91188694bf3f"):
+        text.documents(bad)
+    with pytest.raises(text.TextError, match="unreadable"):
+        text.documents(tmp_path / "missing.txt")
+
+
+def test_a_changed_shipped_text_stops_verify_before_anything_runs(tmp_path):
+    """A checkout whose text was edited (or had its line endings converted): exit 2, one line, no report."""
+    from conftest import ROOT
+    from planted import planted_tree, run_planted
+    tree = planted_tree(tmp_path / "tree", {})
+    path = tree / "trainerkit" / "text" / text.PATH.name
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+    proc = run_planted(tree, "verify", ROOT / "cases/smoke.yaml", "--out", tmp_path / "out")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{path}: sha256" in proc.stderr and "git checkout -- trainerkit/text" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out" / "smoke").exists()
 
 
 # --- text file source ----------------------------------------------------------------------------------------

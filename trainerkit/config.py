@@ -147,7 +147,7 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Token source.  `path=None`: CPython's `pydoc_data.topics` English text, byte-level tokens.
+    """Token source.  `path=None`: the training text the repo ships (`trainerkit/text/`), byte-level tokens.
     A `.txt` (or any text) file: byte-level tokens of that file.  A Megatron indexed dataset prefix
     (`prefix.bin` + `prefix.idx`, MMIDIDX format): its token ids."""
 

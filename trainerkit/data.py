@@ -1,7 +1,8 @@
 """Real-text token data, identical on every rank and in every layout.
 
-Sources (`DataConfig.path`): None -> CPython's bundled English documentation (`pydoc_data.topics`, one
-document per topic, byte-level tokens 1..255); a plain text file -> its bytes, one document per
+Sources (`DataConfig.path`): None -> the training text the repo ships (`trainerkit/text/`: CPython 3.11.7's
+language-reference topics, one document per topic, byte-level tokens 1..255, sha256-checked, so the same
+token stream under every Python and on every platform); a plain text file -> its bytes, one document per
 blank-line-separated paragraph block; a Megatron indexed dataset prefix (``prefix.bin`` + ``prefix.idx``,
 MMIDIDX v1 as in ``megatron/core/datasets/indexed_dataset.py``) -> its documents' token ids.
 
@@ -11,12 +12,14 @@ The sample for (step, microbatch, row) depends only on the seed, never on the ra
 """
 from __future__ import annotations
 
+import hashlib
 import struct
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import text
 from .config import DataConfig
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
@@ -28,9 +31,18 @@ class DataError(ValueError):
     """Unreadable or unsuitable data source (message names the file and the problem)."""
 
 
-def _pydoc_documents() -> list[np.ndarray]:
-    from pydoc_data.topics import topics
-    return [np.frombuffer(topics[k].encode("utf-8"), dtype=np.uint8).astype(np.int64) for k in sorted(topics)]
+def _default_documents() -> list[np.ndarray]:
+    try:
+        docs = text.documents()
+    except text.TextError as e:
+        raise DataError(str(e)) from None
+    return [np.frombuffer(doc, dtype=np.uint8).astype(np.int64) for doc in docs]
+
+
+def text_sha256(cfg: DataConfig) -> str:
+    """sha256 of the bytes behind `cfg` when it is the shipped text or a text file (for the manifest), else ''."""
+    path = text.PATH if cfg.path is None else Path(cfg.path)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
 
 
 def _text_documents(path: Path) -> list[np.ndarray]:
@@ -70,7 +82,7 @@ def _indexed_documents(prefix: Path) -> list[np.ndarray]:
 def load_documents(cfg: DataConfig) -> list[np.ndarray]:
     """Documents as int64 token arrays.  Raises `DataError` for a missing/unreadable/empty source."""
     if cfg.path is None:
-        docs = _pydoc_documents()
+        docs = _default_documents()
     else:
         path = Path(cfg.path)
         if path.suffix in (".bin", ".idx") and path.is_file():   # a prefix given with its extension
@@ -85,7 +97,7 @@ def load_documents(cfg: DataConfig) -> list[np.ndarray]:
             raise DataError(f"data.path {cfg.path}: no such file (nor {path.name}.bin/.idx)")
     docs = [d for d in docs if d.size >= 2]
     if not docs:
-        raise DataError(f"data.path {cfg.path or 'pydoc_data.topics'}: no document with at least 2 tokens")
+        raise DataError(f"data.path {cfg.path or text.NAME}: no document with at least 2 tokens")
     return docs
 
 
@@ -103,7 +115,7 @@ class TokenDataset:
         if low < 0:
             raise DataError(f"data.path {cfg.path}: negative token id {low}")
         if top >= vocab_size:
-            raise DataError(f"data.path {cfg.path or 'pydoc_data.topics'}: token id {top} >= vocab_size {vocab_size}")
+            raise DataError(f"data.path {cfg.path or text.NAME}: token id {top} >= vocab_size {vocab_size}")
         self.seed, self.s, self.b = seed, seq_length, micro_batch_size
 
     def _row(self, step: int, mb: int, row: int) -> np.ndarray:

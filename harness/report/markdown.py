@@ -15,7 +15,7 @@ from .words import (canonical_words, clean_text, clip_words, divergence_words, f
 
 #: Lines of differences outside the signature listed per failing variant (the rest in the report).
 MAX_OUTSIDE_LINES = 5
-_VERDICT_MD = {"pass": "✅ pass", "fail": "❌ fail", "error": "⚠️ error"}
+_VERDICT_MD = {"pass": "✅ pass", "fail": "❌ fail", "error": "⚠️ error", "unchecked": "❔ unchecked"}
 
 
 #: Characters that break a Markdown line or disguise text: C0/C1 controls and DEL (newlines end a table row

@@ -101,7 +101,7 @@ def summary_dict(result: CaseResult) -> dict:
                                          "nan_mismatch": int}],
                        "evidence_error": str,
                        "outside_signature": [str], "outside_signature_count": int,
-                       "golden": {} | {"status": "equal"|"differs"|"missing"|"other environment",
+                       "golden": {} | {"status": "equal"|"differs"|"unchecked"|"missing"|"other environment",
                                        "first_divergence": dict|None, "detail": str},
                        "detail_page": str|None, "schedule_trace": str|None}],
          "all_pass": bool (every variant and the cross-implementation check passed: exit code 0),
@@ -109,7 +109,8 @@ def summary_dict(result: CaseResult) -> dict:
                                          "trainers": [str, str], "variant": str|None, "step": int,
                                          "max_ulp": int, "headline": {...}, "losses": [...],
                                          "tensors": [...], ...}  (harness.crossimpl),
-         "golden": None | {"dir": str, "environment": str, "verdict": "pass"|"fail"},
+         "golden": None | {"dir": str, "environment": str, "verdict": "pass"|"fail"|"unchecked",
+                           "checked_on": [str], "detail": str},
          "environment": {...}}
 
     Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the
