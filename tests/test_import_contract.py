@@ -29,15 +29,15 @@ def test_the_repository_keeps_its_floors(tmp_path):
 PLANTED = {
     # the megatron adapter borrowing the reference trainer's internals (what #20 measured)
     "trainer imports its sibling": ("megatron_trainer/model.py", "from trainerkit import names\n",
-                                    "from trainerkit import names\nfrom reference_impl.model.losses import LossOutput  # noqa\n",
-                                    "floors"),
+                                    "from trainerkit import names\n"
+                                    "from reference_impl.model.losses import LossOutput  # noqa\n", "floors"),
     # the shared contract reaching up into a trainer
     "trainerkit imports a trainer": ("trainerkit/data.py", "from . import text\n",
                                      "from . import text\nfrom reference_impl import faults  # noqa\n", "floors"),
     # a harness module other than the registry reaching into a trainer
     "harness bypasses the registry": ("harness/verify.py", "from trainerkit.data import text_sha256\n",
-                                      "from trainerkit.data import text_sha256\nfrom reference_impl import faults  # noqa\n",
-                                      "registry"),
+                                      "from trainerkit.data import text_sha256\n"
+                                      "from reference_impl import faults  # noqa\n", "registry"),
 }
 
 
@@ -48,4 +48,5 @@ def test_a_planted_import_breaks_the_build(tmp_path, case):
     assert proc.returncode == 1, proc.stdout[-3000:]
     name = {"floors": "harness -> (reference_impl | megatron_trainer) -> trainerkit",
             "registry": "the harness reaches a trainer only through harness.trainers"}[contract]
-    assert f"{name} BROKEN" in proc.stdout and path[:-3].replace("/", ".") + " -> reference_impl" in proc.stdout, proc.stdout[-3000:]
+    importer = path[:-3].replace("/", ".")
+    assert f"{name} BROKEN" in proc.stdout and f"{importer} -> reference_impl" in proc.stdout, proc.stdout[-3000:]

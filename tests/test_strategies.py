@@ -1,4 +1,4 @@
-"""Tests for harness/strategies.py: the public hypothesis strategies for pipeline layouts.
+"""Tests for harness/strategies/: the public hypothesis strategies for pipeline layouts.
 
 They check that every generated layout is what it claims (valid, right placement, every spelling parses to its
 grid, every invalid layout breaks its rule), that the strategies keep reaching every feature (so coverage cannot
