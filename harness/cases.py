@@ -372,6 +372,9 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     except ValidationError as e:
         raise UsageError(f"{where}: options.{_loc(e)}") from None
     expectations.check(where, v.expect, v.first_divergence, is_baseline, spec.model, training, v.signature)
+    if training.data.path and not Path(training.data.path).is_absolute():    # relative to the case file, as training's
+        training = training.model_copy(update={"data": training.data.model_copy(
+            update={"path": str((path.parent / training.data.path).resolve())})})
     if training.data != spec.training.data:
         try:
             TokenDataset(training.data, 0, training.seq_length, 1, spec.model.vocab_size)

@@ -124,6 +124,7 @@ def _verify(args, argv) -> int:
     from .verify import verify
     from trainerkit.config import MAX_TIMEOUT_S, MAX_TRAIN_ITERS
     from . import golden
+    from .arithmetic import cpu_family
     if args.train_iters is not None and not 1 <= args.train_iters <= MAX_TRAIN_ITERS:
         raise UsageError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS}")
     for flag, value in (("--golden", args.golden), ("--write-golden", args.write_golden)):
@@ -148,7 +149,7 @@ def _verify(args, argv) -> int:
                                        golden.load(Path(args.golden), plan.name, runs, key))
     elif args.write_golden is not None:
         key = golden.key_for(plan)
-        golden.check_writable(Path(args.write_golden), plan.name, bool(args.only), key)
+        golden.check_writable(Path(args.write_golden), plan.name, bool(args.only), key, cpu_family())
         goldens = golden.GoldenRequest(Path(args.write_golden), True, key)
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")

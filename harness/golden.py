@@ -40,6 +40,7 @@ from . import trainers
 from .arithmetic import environment
 from .compare import compare
 from .errors import UsageError
+from .golden_schema import trace_problem
 from .trace import StepTrace, Trace
 
 FORMAT = "bitparity-golden/2"
@@ -52,7 +53,6 @@ _VOLATILE = ("time_s", "activations", "boundaries", "router_ties", "actions")
 #: Trace fields that describe the layout, not the computation: taken from the run being checked.
 _PER_RUN = ("world_size", "expert_model_parallel_size")
 _FILE = re.compile(r"^runs/[A-Za-z0-9][A-Za-z0-9._-]{0,150}\.json$")
-_STEP_KEYS = {f for f in StepTrace.__dataclass_fields__} - set(_VOLATILE)
 _TRACE_KEYS = {"format", "params", "order", "init", "steps"}
 
 
@@ -101,21 +101,25 @@ def _read_index(directory: Path, flag: str) -> dict:
             or not isinstance(e.get("trainer"), dict) for e in variants.values()):
         raise UsageError(f"{flag} {directory}: golden.json malformed (variants: {{name: {{file: runs/<name>.json, "
                          "trainer: {...}}}}, environment: {...})")
+    checked = index.setdefault("checked_on", [])
+    if not isinstance(checked, list) or not all(isinstance(f, str) and f.strip() for f in checked):
+        raise UsageError(f"{flag} {directory}: golden.json checked_on must be a list of CPU families "
+                         "(e.g. [\"AuthenticAMD family 26\"])")
     return index
 
 
 def _read_trace(directory: Path, file: str) -> dict:
-    """One golden file, parsed and shape-checked.  Raises UsageError naming the file."""
+    """One golden file, parsed and checked against the golden trace schema.  Raises UsageError naming the file."""
     path = directory / file
     try:
         raw = json.loads(path.read_text())
-        ok = isinstance(raw, dict) and set(raw) == _TRACE_KEYS and isinstance(raw["steps"], list) and all(
-            isinstance(st, dict) and set(st) <= _STEP_KEYS and isinstance(st.get("step"), int) for st in raw["steps"])
     except (OSError, ValueError) as e:
         raise UsageError(f"--golden {path}: unreadable ({e})") from None
-    if not ok or not isinstance(raw["params"], dict) or not isinstance(raw["order"], list) \
-            or not isinstance(raw["init"], dict):
+    if not isinstance(raw, dict) or set(raw) != _TRACE_KEYS:
         raise UsageError(f"--golden {path}: not a golden trace (keys {sorted(_TRACE_KEYS)}, steps of trace fields)")
+    problem = trace_problem(raw)
+    if problem:
+        raise UsageError(f"--golden {path}: not a golden trace: {problem}")
     return raw
 
 
@@ -152,13 +156,14 @@ def load(directory: Path, case: str, runs: dict, key: dict) -> dict:
     return {"index": index, "traces": traces}
 
 
-def check_writable(directory: Path, case: str, partial: bool, key: dict) -> None:
+def check_writable(directory: Path, case: str, partial: bool, key: dict, family: str = "unknown") -> None:
     """Before anything runs: --write-golden's DIR can take this case's goldens; creates it (empty) if missing.
 
     Raises:
         UsageError: an empty path; DIR is not a directory or cannot be created; it holds files but no
             golden.json, or a golden.json that is unreadable, of another format or of another case; a
-            partial refresh (`partial`: --only) in another environment (it would mix two environments).
+            partial refresh (`partial`: --only) in another environment, or on a CPU family (`family`) the
+            goldens were never checked on (either would mix two machines' bits in one golden).
     """
     if not str(directory):
         raise UsageError("--write-golden: empty path")
@@ -175,6 +180,10 @@ def check_writable(directory: Path, case: str, partial: bool, key: dict) -> None
         if partial and diff:
             raise UsageError(f"--write-golden {directory}: a partial refresh (--only) here would mix two "
                              f"environments ({diff}): refresh every variant")
+        if partial and family not in index["checked_on"]:
+            raise UsageError(f"--write-golden {directory}: a partial refresh (--only) on {family}, which these "
+                             f"goldens were never checked on ({', '.join(index['checked_on']) or 'none'}), would mix "
+                             "two machines' bits: refresh every variant")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -189,32 +198,47 @@ def write(directory: Path, case: str, traces: dict, files: dict, key: dict, env:
 
     Runs with identical bits share one file (the bitwise-equal layouts of a case: one golden).  Goldens of
     variants not in `traces` are kept when the environment is the same (a refresh with --only); only files
-    the old index named and the new one does not are removed."""
+    the old index named and the new one does not are removed.  ``checked_on``: a full refresh with the same
+    bits adds this CPU family (``env["cpu_family"]``), other bits leave only this family; a partial refresh
+    (on a family already checked, `check_writable`) keeps the list when its bits are the same."""
     index_path = directory / "golden.json"
     old = _read_index(directory, "--write-golden") if index_path.exists() else {"variants": {}, "environment": {}}
     same = old.get("case") == case and old["environment"] == key
-    unchanged = same and all(n in old["variants"] for n in traces) and all(
-        (directory / old["variants"][n]["file"]).is_file()
-        and (directory / old["variants"][n]["file"]).read_text() == _dump(_golden_trace(t)) for n, t in traces.items())
     keep = {n: e for n, e in old["variants"].items() if n not in traces} if same else {}
+    texts = {name: _dump(_golden_trace(trace)) for name, trace in traces.items()}
+
+    def old_text(name):
+        entry = old["variants"].get(name)
+        path = directory / entry["file"] if entry else None
+        return path.read_text() if path is not None and path.is_file() else None
+
+    unchanged = same and all(old_text(n) == t for n, t in texts.items())
+    family = env.get("cpu_family", "unknown")
+    if keep:
+        checked = list(old["checked_on"]) if unchanged else [family]
+    else:
+        checked = sorted(set(old["checked_on"]) | {family}) if unchanged and not (
+            set(old["variants"]) - set(traces)) else [family]
     by_text: dict = {}
-    for name, trace in traces.items():
-        by_text.setdefault(_dump(_golden_trace(trace)), []).append(name)
+    for name, text in texts.items():
+        by_text.setdefault(text, []).append(name)
     (directory / "runs").mkdir(exist_ok=True)
     variants = dict(keep)
+    kept_files = {e["file"] for e in keep.values()}
     for text, group in by_text.items():
-        file = f"runs/{files[group[0]]}.json"
-        while file in {e["file"] for e in keep.values()}:     # never overwrite a kept variant's golden
-            file = f"runs/_{file[5:]}"
-        tmp = directory / f"{file}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, directory / file)
+        # a kept golden with these very bits: share its file (a partial refresh that moved nothing writes nothing)
+        file = next((f for f in sorted(kept_files) if (directory / f).is_file() and (directory / f).read_text() == text),
+                    None)
+        if file is None:
+            file = f"runs/{files[group[0]]}.json"
+            while file in kept_files:                           # never overwrite a kept variant's golden
+                file = f"runs/_{file[5:]}"
+            tmp = directory / f"{file}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, directory / file)
         variants.update({name: {"file": file, "trainer": trainers[name]} for name in group})
     for stale in {e["file"] for e in old["variants"].values()} - {e["file"] for e in variants.values()}:
         (directory / stale).unlink(missing_ok=True)
-    # the same bits from another CPU family confirm the goldens there; other bits start the list again
-    family = env.get("cpu_family", "unknown")
-    checked = sorted(set(old.get("checked_on", [])) | {family}) if unchanged else [family]
     index = {"format": FORMAT, "case": case, "environment": key, "variants": dict(sorted(variants.items())),
              "checked_on": checked,
              "recorded": {"cpu_model": env.get("cpu_model"), "bitparity": env.get("bitparity")}}

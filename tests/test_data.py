@@ -160,7 +160,8 @@ def test_a_changed_shipped_text_stops_verify_before_anything_runs(tmp_path):
     path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
     proc = run_planted(tree, "verify", ROOT / "cases/smoke.yaml", "--out", tmp_path / "out")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert f"{path}: sha256" in proc.stderr and "git checkout -- trainerkit/text" in proc.stderr, proc.stderr
+    assert f"smoke.yaml: training.data (default: the shipped training text): {path}: sha256" in proc.stderr, proc.stderr
+    assert "git checkout -- trainerkit/text" in proc.stderr, proc.stderr
     assert not (tmp_path / "out" / "smoke").exists()
 
 
@@ -321,3 +322,20 @@ def test_negative_and_empty_and_extension_paths(tmp_path):
         load_documents(DataConfig(path=" "))
     good = write_mmidx(tmp_path / "good", [[1, 2, 3], [4, 5, 6, 7]], 4)
     assert [d.tolist() for d in load_documents(DataConfig(path=good + ".idx"))] == [[1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_variants_relative_data_path_is_relative_to_the_case_file(tmp_path, monkeypatch):
+    """`options.data.path` resolves like `training.data.path`: against the case file, not the working directory."""
+    from harness.cases import load_case
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "mytext.txt").write_bytes(b"The quick brown fox jumps over the lazy dog. " * 20)
+    case = tmp_path / "cases" / "c.yaml"
+    case.write_text("model: {num_layers: 2, moe_layer_freq: '[0]*1+[1]*1', hidden_size: 32, mtp_num_layers: 0}\n"
+                    "training: {train_iters: 1, seq_length: 16, num_microbatches: 2}\n"
+                    "baseline: {name: b, pipeline_model_parallel_layout: 'Et|tL', pipeline_model_parallel_size: 2,"
+                    " options: {data: {path: mytext.txt}}}\n"
+                    "variants: [{name: v, pipeline_model_parallel_layout: 'EttL', pipeline_model_parallel_size: 1,"
+                    " expect: bitwise, options: {data: {path: mytext.txt}}}]\n")
+    monkeypatch.chdir(tmp_path)
+    plan = load_case(case)
+    assert [r.config.training.data.path for r in plan.runs] == [str(tmp_path / "cases" / "mytext.txt")] * 2

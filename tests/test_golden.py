@@ -103,6 +103,49 @@ def test_another_environment_or_step_count_is_refused_before_anything_runs(tmp_p
         _load(tmp_path, ["a"], iters=8)
 
 
+_STEP_DAMAGE = {
+    "grads a list": lambda st: st.update(grads=[]),
+    "grads null": lambda st: st.update(grads=None),
+    "losses a string": lambda st: st.update(losses="x"),
+    "a param fingerprint not a string": lambda st: st.update(params={"output_layer.weight": 7}),
+    "a gradient of no parameter": lambda st: st["grads"].update(bogus="aaaa"),
+    "an unknown step field": lambda st: st.update(surprise=1),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_STEP_DAMAGE) + ["format", "order", "init null", "inventory"])
+def test_a_malformed_golden_trace_is_refused_before_anything_runs(tmp_path, damage):
+    """Whatever passes the load check can be compared: a damaged trace is one line naming the file."""
+    _record(tmp_path, {"a": _trace()})
+    path = tmp_path / "runs" / "a.json"
+    raw = json.loads(path.read_text())
+    if damage in _STEP_DAMAGE:
+        _STEP_DAMAGE[damage](raw["steps"][0])
+    elif damage == "format":
+        raw["format"] = "nope"
+    elif damage == "order":
+        raw["order"] = [1, 2]
+    elif damage == "init null":
+        raw["init"] = {"output_layer.weight": None}
+    else:
+        raw["params"]["output_layer.weight"]["order"] = "x"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(UsageError, match=rf"^--golden {path}: not a golden trace"):
+        _load(tmp_path, ["a"])
+
+
+@pytest.mark.parametrize("checked_on", [None, "AuthenticAMD family 26", [1, 2], [["x"]], {"x": 1}, [""]])
+def test_a_malformed_checked_on_is_refused(tmp_path, checked_on):
+    _record(tmp_path, {"a": _trace()})
+    index = json.loads((tmp_path / "golden.json").read_text())
+    index["checked_on"] = checked_on
+    (tmp_path / "golden.json").write_text(json.dumps(index))
+    with pytest.raises(UsageError, match="checked_on must be a list of CPU families"):
+        _load(tmp_path, ["a"])
+    with pytest.raises(UsageError, match="checked_on must be a list of CPU families"):
+        golden.check_writable(tmp_path, "c", False, KEY, AMD)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not json", "wrong keys", "path escape", "steps null"])
 def test_a_damaged_golden_is_one_line_naming_it(tmp_path, damage):
     _record(tmp_path, {"a": _trace()})
@@ -131,12 +174,17 @@ def test_write_refuses_another_case_and_keeps_foreign_files(tmp_path):
         golden.check_writable(tmp_path, "smoke", False, KEY)
     with pytest.raises(UsageError, match="a partial refresh"):
         golden.check_writable(tmp_path, "c", True, {**KEY, "torch": "2.11.0"})
+    with pytest.raises(UsageError, match=f"a partial refresh \\(--only\\) on {AMD}, which these goldens were never"):
+        golden.check_writable(tmp_path, "c", True, KEY, AMD)
     (tmp_path / "runs" / "notes.json").write_text("{}")            # not named by the index: never removed
-    golden.check_writable(tmp_path, "c", True, KEY)
-    _record(tmp_path, {"b": _trace()})                             # --only b: b now shares a's bits
+    golden.check_writable(tmp_path, "c", True, KEY, INTEL)
+    _record(tmp_path, {"b": _trace()})                             # --only b: b now shares a's bits (and file)
     index = json.loads((tmp_path / "golden.json").read_text())
-    assert index["variants"]["a"]["file"] == "runs/a.json" and (tmp_path / "runs" / "notes.json").exists()
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a.json", "b.json", "notes.json"]
+    assert index["variants"]["a"]["file"] == index["variants"]["b"]["file"] == "runs/a.json"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a.json", "notes.json"]
+    assert index["checked_on"] == [INTEL]
+    _record(tmp_path, {"b": _trace()})                             # the same again: nothing moves
+    assert json.loads((tmp_path / "golden.json").read_text()) == index
 
 
 def test_bad_golden_directories_are_one_line(tmp_path, cli):

@@ -1529,3 +1529,21 @@ def test_chrome_trace_adds_measured_times_when_the_trace_has_them(tmp_path, resu
     (tmp_path / "runs" / "pp2_vpp2" / "trace.json").write_text(json.dumps(run_trace))
     assert "measured per-action times" in report.render_run_page(result, 1, tmp_path)
     assert "Planned only" in report.render_run_page(result, 1)
+
+
+@pytest.mark.parametrize("verdict,count,element", [("fail", "failures", "failure"), ("unchecked", "skipped", "skipped"),
+                                                    ("pass", None, "system-out")])
+def test_junit_has_a_golden_testcase(verdict, count, element):
+    """A golden failure fails the JUnit suite (CI widgets read it); an unchecked CPU family is a skipped test."""
+    r = make_result()
+    base = ET.fromstring(report.junit_xml(r)).find("testsuite")
+    r.golden = {"dir": "goldens/smoke", "environment": "same", "verdict": verdict, "checked_on": ["x"],
+                "detail": f"golden {verdict} detail"}
+    r.variants[0].golden = {"status": "differs" if verdict == "fail" else "equal", "first_divergence": None,
+                            "detail": "first difference from the golden"}
+    suite = ET.fromstring(report.junit_xml(r)).find("testsuite")
+    case = [c for c in suite.findall("testcase") if c.get("name") == "golden"][0]
+    assert case.find(element) is not None and f"golden {verdict} detail" in (case.find(element).text or "")
+    assert int(suite.get("tests")) == int(base.get("tests")) + 1
+    if count:
+        assert int(suite.get(count)) == int(base.get(count)) + 1

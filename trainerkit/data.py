@@ -35,14 +35,18 @@ def _default_documents() -> list[np.ndarray]:
     try:
         docs = text.documents()
     except text.TextError as e:
-        raise DataError(str(e)) from None
+        raise DataError(f"data (default: {text.NAME}): {e}") from None
     return [np.frombuffer(doc, dtype=np.uint8).astype(np.int64) for doc in docs]
 
 
 def text_sha256(cfg: DataConfig) -> str:
-    """sha256 of the bytes behind `cfg` when it is the shipped text or a text file (for the manifest), else ''."""
+    """sha256 of the bytes behind `cfg` when it is the shipped text or a text file (for the manifest), '' for an
+    indexed dataset, 'unreadable (reason)' when the file went away after validation (never raises)."""
     path = text.PATH if cfg.path is None else Path(cfg.path)
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
 
 
 def _text_documents(path: Path) -> list[np.ndarray]:

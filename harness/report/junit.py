@@ -55,7 +55,9 @@ def failure_text(v: VariantResult, baseline: str) -> str:
 
 def junit_xml(result: CaseResult) -> str:
     """JUnit XML: ``<testsuites>`` holding one ``<testsuite name=case>``, one ``<testcase>`` per variant (and one
-    named ``cross-implementation`` when the case has that check).
+    named ``cross-implementation`` when the case has that check, one named ``golden`` when the runs were compared
+    with goldens: a failure when a run differs from its golden, ``<skipped>`` when the goldens were never
+    checked on this CPU family and a run differs: not counted as a failure).
 
     Each testcase has ``classname="bitparity.<case>"``, ``name=<variant>`` and ``time=<elapsed_s>``.
     A failing variant carries ``<failure message=reason>`` whose text is the first divergence (and its
@@ -68,11 +70,15 @@ def junit_xml(result: CaseResult) -> str:
     cross = result.cross_implementation
     n = len(result.variants) + (cross is not None)
     cross_verdict = cross.get("verdict") if cross is not None else None
-    failures = sum(v.verdict == "fail" for v in result.variants) + (cross_verdict == "fail")
+    golden = result.golden if isinstance(result.golden, dict) and result.golden else None
+    golden_verdict = golden.get("verdict") if golden else None
+    n += golden is not None
+    failures = sum(v.verdict == "fail" for v in result.variants) + (cross_verdict == "fail") + \
+        (golden_verdict == "fail")
     errors = sum(v.verdict == "error" for v in result.variants) + (cross_verdict == "error")
     total_time = f"{finite_or_none(result.elapsed_s) or 0.0:.3f}"
-    counts = {"tests": str(n), "failures": str(failures), "errors": str(errors), "skipped": "0",
-              "time": total_time}
+    counts = {"tests": str(n), "failures": str(failures), "errors": str(errors),
+              "skipped": str(int(golden_verdict == "unchecked")), "time": total_time}
 
     root = ET.Element("testsuites", {"name": "bitparity", **counts})
     suite = ET.SubElement(root, "testsuite", {"name": case, **counts})
@@ -112,5 +118,17 @@ def junit_xml(result: CaseResult) -> str:
             ET.SubElement(tc, "error", {"message": reason, "type": "RunError"}).text = reason
         else:
             ET.SubElement(tc, "system-out").text = reason
+    if golden is not None:      # one more testcase: every run against its golden (harness.golden)
+        tc = ET.SubElement(suite, "testcase", {"classname": f"bitparity.{case}", "name": "golden", "time": "0.000"})
+        detail = clean_text(golden.get("detail") or "")
+        lines = [f"{clean_text(v.name)}: {clean_text(golden_words(golden_of(v)))}" for v in result.variants
+                 if golden_of(v) and golden_of(v).get("status") != "equal"]
+        if golden_verdict == "fail":
+            ET.SubElement(tc, "failure", {"message": detail, "type": "GoldenMismatch"}).text = \
+                "\n".join([detail, *lines])
+        elif golden_verdict == "unchecked":
+            ET.SubElement(tc, "skipped", {"message": detail}).text = "\n".join([detail, *lines])
+        else:
+            ET.SubElement(tc, "system-out").text = detail
     ET.indent(root)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
