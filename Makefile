@@ -1,6 +1,15 @@
 # Two entry points do all set-up on a fresh machine: `make verify` and `make test`.
+# PY=3.12: build the venv with that Python (pyenv's, else pythonX.Y on PATH) in .venv-3.12; megatron-core >= 0.17
+# needs Python >= 3.12 (the `megatron` extra takes 0.16.x under 3.11, 0.19.x under 3.12).  Left empty: PYTHON.
+PY      ?=
+ifeq ($(PY),)
 PYTHON  ?= python3
 VENV    ?= .venv
+else
+PYTHON  ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/$(PY)*/bin/python$(PY)) \
+                       $(shell command -v python$(PY) 2>/dev/null))
+VENV    ?= .venv-$(PY)
+endif
 TORCH   ?= torch==2.13.0
 LAYOUTS ?= cases/dsv3.yaml
 ARGS    ?=
@@ -36,6 +45,7 @@ LONG_ITERS  ?= 8
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
+	@test -n "$(PYTHON)" || { echo "make: no Python $(PY) here (pyenv versions / python$(PY) on PATH)" >&2; exit 2; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"

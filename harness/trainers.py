@@ -9,17 +9,18 @@ validator (layout, MoE, MTP, overlap rules) speaks at planning time, not in ever
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import warnings
 from typing import Optional
+
+from megatron_trainer.source import megatron_source
 
 from trainerkit.config import RunConfig
 
 def megatron_version() -> Optional[str]:
-    """The installed megatron-core's version (distribution metadata: no import), or None."""
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The version of the megatron-core the ranks will import (`megatron_source`), or None."""
+    src = megatron_source()
+    return src["version"] if src else None
 
 
 def versions(config: RunConfig) -> dict:
@@ -30,10 +31,11 @@ def versions(config: RunConfig) -> dict:
         return {"trainer": config.trainer}
     from megatron_trainer import compat
     version = megatron_version()
-    return {"trainer": config.trainer, "megatron_core": version, "megatron_compat": compat.VERSION,
+    return {"trainer": config.trainer, "megatron_core": version,
+            "megatron_commit": (megatron_source() or {}).get("commit"), "megatron_compat": compat.VERSION,
             "megatron_compat_points": list(compat.points(config.device)),
-            "megatron_compat_checked_versions": list(compat.SUPPORTED),
-            "megatron_version_checked": compat.version_checked(version or "")}
+            "megatron_compat_checked_versions": list(compat.SUPPORTED) + list(compat.CHECKED_COMMITS),
+            "megatron_version_checked": compat.version_checked(version or "", (megatron_source() or {}).get("commit"))}
 
 
 def problem(config: RunConfig) -> Optional[str]:
@@ -57,6 +59,9 @@ def problem(config: RunConfig) -> Optional[str]:
     if version is None:
         return ("trainer megatron-core: megatron-core is not installed; install the extra with "
                 "`pip install -e '.[megatron]'` (or run `make verify-megatron`)")
+    # a CUDA build of torch without a GPU logs "No CUDA runtime is found" when megatron imports cpp_extension: a
+    # warning of the torch build, not a line of bitparity's one-line errors
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():     # megatron warns on import that TE / Apex are missing: not our line
             warnings.simplefilter("ignore")
@@ -66,8 +71,9 @@ def problem(config: RunConfig) -> Optional[str]:
                 "reinstall it (`pip install -e '.[megatron]'`) or fix its dependencies")
     from megatron_trainer import compat, faults
 
-    if config.device == "cpu" and not compat.version_checked(version) and not compat.unchecked_allowed():
-        return f"trainer megatron-core: {compat.unchecked_message(version)}"
+    commit = (megatron_source() or {}).get("commit")
+    if config.device == "cpu" and not compat.version_checked(version, commit) and not compat.unchecked_allowed():
+        return f"trainer megatron-core: {compat.unchecked_message(version, commit)}"
     t, par = config.training, config.parallel
     if config.device == "cpu" and config.params_dtype != "float32":
         return ("trainer megatron-core: params_dtype bfloat16 on CPU is not run (megatron's bf16 optimizer checks "

@@ -1,11 +1,11 @@
-"""Run megatron-core on a CPU-only torch over gloo: eight documented points, applied in the rank process.
+"""Run megatron-core on a CPU-only torch over gloo: nine documented points, applied in the rank process.
 
-megatron-core targets CUDA + Transformer Engine; on CPU it fails in eight places, all of them device
+megatron-core targets CUDA + Transformer Engine; on CPU it fails in nine places, all of them device
 plumbing, none of them arithmetic.  Each point below names the megatron file and what it hits, and patches
 the smallest thing that makes it run.  Nothing here edits the installed package.  Three points are not about
 the CPU but about megatron's local (non-TE) layer specs, which bitparity uses on every device: MLA with the
 local core attention (point 2) fails on a GPU too (measured on an H200 with torch 2.11, no TE), and without TE
-installed points 3 and 7 as well.  So `apply` takes the device: on CUDA only those (`LOCAL_SPEC_POINTS`) are
+installed points 3, 7 and 9 as well.  So `apply` takes the device: on CUDA only those (`LOCAL_SPEC_POINTS`) are
 applied; the rest of megatron runs as shipped.
 
 Every point first checks that the bug it works around is still there: a newer megatron-core that fixed it runs
@@ -27,15 +27,20 @@ import types
 
 import torch
 
-VERSION = "2"                        # of this layer; recorded in every manifest beside megatron-core's version
-SUPPORTED = ("0.16.",)               # megatron-core versions the points were checked against
+VERSION = "3"                        # of this layer; recorded in every manifest beside megatron-core's version
+SUPPORTED = ("0.16.", "0.19.")       # megatron-core releases the points were checked against
+#: Megatron-LM checkouts the points were checked against (commit -> what it is): main moves daily.
+CHECKED_COMMITS = {"d98e8a64ddf34856e74b24714e3bedb2f5a39553": "Megatron-LM main of 2026-08-22 (0.20.0)"}
 
 
 UNCHECKED_ENV = "BITPARITY_MEGATRON_UNCHECKED"
 
 
-def version_checked(version: str) -> bool:
-    """Whether the CPU points were checked against this megatron-core version."""
+def version_checked(version: str, commit: str | None = None) -> bool:
+    """Whether the CPU points were checked against this megatron-core: a release in `SUPPORTED`, or a checkout
+    at one of `CHECKED_COMMITS` (a checkout at another commit is unchecked, whatever its version says)."""
+    if commit is not None:
+        return commit in CHECKED_COMMITS
     return version.startswith(SUPPORTED)
 
 
@@ -46,11 +51,18 @@ def unchecked_allowed() -> bool:
     return os.environ.get(UNCHECKED_ENV) == "1"
 
 
-def unchecked_message(version: str) -> str:
+def checked_versions() -> str:
+    """What the CPU points were checked against, in words (for refusals and errors)."""
+    return (", ".join(f"{v}x" for v in SUPPORTED) + " and "
+            + ", ".join(f"{what} at {c[:10]}" for c, what in CHECKED_COMMITS.items()))
+
+
+def unchecked_message(version: str, commit: str | None = None) -> str:
     """The one line refusing an unchecked version on CPU."""
-    return (f"megatron-core {version} is not a version the CPU compatibility layer was checked against "
-            f"({', '.join(SUPPORTED)}x): set {UNCHECKED_ENV}=1 to run it anyway (every point still checks the code "
-            "it patches), or update megatron_trainer/compat.py")
+    what = f"megatron-core {version}" + (f" (checkout at {commit[:10]})" if commit else "")
+    return (f"{what} is not a version the CPU compatibility layer was checked against ({checked_versions()}): "
+            f"set {UNCHECKED_ENV}=1 to run it anyway (every point still checks the code it patches), or update "
+            "megatron_trainer/compat.py")
 
 
 class CompatError(RuntimeError):
@@ -71,7 +83,7 @@ def _needed(bug_present: bool, point: str, fixed: str) -> bool:
 def _require(cond: bool, point: str, what: str) -> None:
     if not cond:
         raise CompatError(f"megatron CPU compat point {point}: {what}; the installed megatron-core differs from "
-                          f"the versions this layer was written for ({', '.join(SUPPORTED)}x): update "
+                          f"the versions this layer was written for ({checked_versions()}): update "
                           "megatron_trainer/compat.py")
 
 
@@ -136,7 +148,29 @@ class _CpuTorch(types.ModuleType):
         return attr
 
 
-LOCAL_SPEC_POINTS = ("2", "3", "7")   # needed wherever megatron's local specs run without Transformer Engine
+#: Where points 1 and 4 look for the CUDA calls they stand in for (the modules named in their comments).
+_CURRENT_DEVICE_USERS = ("megatron.core.transformer.moe.router", "megatron.core.transformer.multi_token_prediction",
+                         "megatron.core.models.gpt.gpt_model", "megatron.core.distributed.param_and_grad_buffer",
+                         "megatron.core.pipeline_parallel.p2p_communication")
+_STREAM_USERS = ("megatron.core.transformer.moe.token_dispatcher", "megatron.core.pipeline_parallel.p2p_communication",
+                 "megatron.core.distributed.param_and_grad_buffer")
+
+
+def _megatron_calls(needles, modules) -> bool:
+    """Whether any of `modules` (megatron module names) still contains any of `needles` in its source."""
+    import importlib
+    needles = (needles,) if isinstance(needles, str) else needles
+    for name in modules:
+        try:
+            text = _source(importlib.import_module(name))
+        except ImportError:
+            continue
+        if any(n in text for n in needles):
+            return True
+    return False
+
+
+LOCAL_SPEC_POINTS = ("2", "3", "7", "9")   # needed wherever megatron's local specs run without Transformer Engine
 _applied: tuple = ()
 
 
@@ -149,7 +183,7 @@ def points(device_type: str) -> tuple:
     """The points `apply` patches for a rank on `device_type` ("cpu" or "cuda"): all eight on CPU; on CUDA
     point 2, and 3 and 7 when Transformer Engine is not installed (recorded in the manifest)."""
     if device_type == "cpu":
-        return ("1", "2", "3", "4", "5", "6", "7", "8")
+        return ("1", "2", "3", "4", "5", "6", "7", "8", "9")
     return ("2",) if _have_te() else LOCAL_SPEC_POINTS
 
 
@@ -172,14 +206,17 @@ def apply(device_type: str = "cpu") -> tuple:
     from megatron.core.transformer import multi_latent_attention as mla
     from megatron.core.transformer.moe import moe_utils
 
-    if cpu and not version_checked(megatron.core.__version__) and not unchecked_allowed():
-        raise CompatError(unchecked_message(megatron.core.__version__))
+    from .source import megatron_source
+    src = megatron_source() or {"version": megatron.core.__version__, "commit": None}
+    if cpu and not version_checked(src["version"], src["commit"]) and not unchecked_allowed():
+        raise CompatError(unchecked_message(src["version"], src["commit"]))
 
     # 1. torch.cuda.current_device() is used as a device argument all over megatron (router, MTP, gpt_model,
     #    param_and_grad_buffer, p2p shape exchange): on CPU it names the CPU.  The CUDA RNG tracker
     #    (tensor_parallel/random.py) forks CUDA generator states around dropout: with dropout 0 there is no
     #    state to fork, so `fork` is a plain context and `add` only records the seed.
-    if cpu:
+    if cpu and _needed(_megatron_calls("torch.cuda.current_device()", _CURRENT_DEVICE_USERS), "1",
+                       "no megatron module the ranks run calls torch.cuda.current_device()"):
         _require(hasattr(mrandom.CudaRNGStatesTracker, "fork") and hasattr(mrandom.CudaRNGStatesTracker, "add"),
                  "1", "tensor_parallel.random.CudaRNGStatesTracker has no fork/add")
         torch.cuda.current_device = lambda: _CPU
@@ -210,6 +247,8 @@ def apply(device_type: str = "cpu") -> tuple:
         _cpu_plumbing()
     elif "7" in wanted:
         _patch_te_general_gemm(moe_utils)
+    if "9" in wanted:
+        _patch_inference_linear_types()
     _applied = tuple(p for p in wanted if p not in NOT_NEEDED)
     return _applied
 
@@ -226,11 +265,14 @@ def _cpu_plumbing() -> None:
     # 4. CUDA streams, events and synchronize: MoE alltoall dispatcher (moe/token_dispatcher.py: a side stream
     #    for device-to-host copies), p2p shape exchange (pipeline_parallel/p2p_communication.py), DDP's
     #    communication stream (distributed/param_and_grad_buffer.py).  gloo is synchronous: inert stand-ins.
-    torch.cuda.Stream = torch.cuda.Event = _InertStream
-    torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: _InertStream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None
-    torch.Tensor.record_stream = lambda self, stream: None
+    if _needed(_megatron_calls(("torch.cuda.Stream", "torch.cuda.current_stream", "torch.cuda.Event",
+                                "torch.cuda.synchronize", ".record_stream("), _STREAM_USERS), "4",
+               "no megatron module the ranks run uses CUDA streams, events or synchronize"):
+        torch.cuda.Stream = torch.cuda.Event = _InertStream
+        torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: _InertStream()
+        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+        torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None
+        torch.Tensor.record_stream = lambda self, stream: None
 
     # 5. LanguageModule.setup_embeddings_and_output_layer moves the MTP stage's embedding with Tensor.cuda()
     #    (models/common/language_module/language_module.py).
@@ -266,6 +308,34 @@ def _cpu_plumbing() -> None:
     exec(compile(source.replace("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"), inspect.getsourcefile(clip),
                  "exec"), vars(clip_grads), namespace)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = namespace[clip.__name__]
+
+
+class _NoInstances:
+    """A type nothing is an instance of (point 9's stand-in for a class that could not be defined)."""
+
+
+def _patch_inference_linear_types() -> None:
+    """9. From Megatron-LM #5748 (0.20, main), ``MultiTokenPredictionLayer.__init__`` asks
+    ``tensor_parallel/inference_layers.is_inference_column_parallel_linear(eh_proj)``, an isinstance() against
+    ``InferenceColumnParallelLinear`` / ``InferenceLayerNormColumnParallelLinear``; those subclass TE linears,
+    which are MagicMock instances without TE (extensions/transformer_engine.py), so isinstance raises TypeError
+    and no MTP layer can be built.  Without TE neither class can exist, so nothing is an instance of them: stand-in
+    types say so.  The function is absent before 0.20 (not needed there)."""
+    import importlib.util
+    check = None
+    if importlib.util.find_spec("megatron.core.tensor_parallel.inference_layers") is not None:
+        from megatron.core.tensor_parallel import inference_layers as il
+        check = getattr(il, "is_inference_column_parallel_linear", None)
+    if not _needed(check is not None, "9", "no is_inference_column_parallel_linear (before Megatron-LM #5748)"):
+        return
+    names = ("InferenceColumnParallelLinear", "InferenceLayerNormColumnParallelLinear")
+    broken = [n for n in names if not isinstance(getattr(il, n, None), type)]
+    if not _needed(bool(broken), "9", "the inference linear classes are types (Transformer Engine is installed)"):
+        return
+    _require(all(n in _source(check) for n in names), "9",
+             "is_inference_column_parallel_linear no longer names both inference linear classes")
+    for n in broken:
+        setattr(il, n, _NoInstances)
 
 
 def _patch_te_general_gemm(moe_utils) -> None:

@@ -150,9 +150,15 @@ def _layer_ids(model) -> dict[str, int]:
         if hasattr(model, "decoder") else {}
 
 
+#: The MTP layer's inner transformer layer: ``transformer_layer`` up to megatron-core 0.16, ``mtp_model_layer`` from
+#: 0.17 (transformer/multi_token_prediction.py MultiTokenPredictionLayer); the global name keeps the first, so
+#: traces of every version compare (`trainerkit.names`).
+_MTP_INNER = re.compile(r"^(mtp\.layers\.\d+)\.mtp_model_layer\.")
+
+
 def _global_name(local: str, layers: dict[str, int], experts_per_rank: int, ep_rank: int) -> str:
     m = _DECODER.match(local)
-    name = f"decoder.layers.{layers[m.group(1)]}.{m.group(2)}" if m else local
+    name = f"decoder.layers.{layers[m.group(1)]}.{m.group(2)}" if m else _MTP_INNER.sub(r"\1.transformer_layer.", local)
     return _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.{ep_rank * experts_per_rank + int(e.group(1))}.", name)
 
 
@@ -162,7 +168,7 @@ def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int) -> list
     Megatron names a chunk's decoder layers by local index; the global layer id is the module's
     ``layer_number - 1``.  Routed experts (``SequentialMLP``: ``mlp.experts.local_experts.{i}``) become
     ``mlp.experts.{ep_rank * experts_per_rank + i}``.  A word embedding in a chunk without pre-process is the
-    MTP stage's replica.
+    MTP stage's replica.  The MTP inner layer is ``mtp.layers.{k}.transformer_layer`` on every megatron version.
 
     Raises:
         ValueError: a parameter whose name the mapping does not know (megatron-core changed its naming).

@@ -66,17 +66,30 @@ class LossRecorder:
         return out, reported
 
 
+#: MTPLossLoggingHelper's per-depth logging hook, by megatron-core version: ``save_loss_to_tracker(loss, layer_number,
+#: num_layers, ...)`` up to 0.18, ``save_metrics_to_tracker(loss, correct, total, layer_number, ...)`` from 0.19
+#: (transformer/multi_token_prediction.py); the loss is the first argument of both.
+MTP_LOSS_HOOKS = ("save_metrics_to_tracker", "save_loss_to_tracker")
+
+
 def _record_mtp_losses(recorder: LossRecorder) -> None:
-    """Capture each MTP depth's loss as megatron logs it (``MTPLossLoggingHelper.save_loss_to_tracker``, called
-    once per depth per microbatch in GPTModel's forward on the loss stage), then let megatron log it too."""
+    """Capture each MTP depth's loss as megatron logs it (`MTP_LOSS_HOOKS`: called once per depth per microbatch
+    in GPTModel's forward on the loss stage), then let megatron log it too.
+
+    Raises:
+        RuntimeError: the installed megatron has neither hook (the MTP losses could not be captured)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    original = MTPLossLoggingHelper.save_loss_to_tracker
+    name = next((n for n in MTP_LOSS_HOOKS if hasattr(MTPLossLoggingHelper, n)), None)
+    if name is None:
+        raise RuntimeError(f"megatron's MTPLossLoggingHelper has none of {', '.join(MTP_LOSS_HOOKS)}: the MTP "
+                           "losses cannot be captured; update megatron_trainer/train.py MTP_LOSS_HOOKS")
+    original = getattr(MTPLossLoggingHelper, name)
 
-    def save(loss, layer_number, num_layers, *args, **kwargs):
+    def save(loss, *args, **kwargs):
         recorder.mtp.append(loss.detach().clone().float())
-        return original(loss, layer_number, num_layers, *args, **kwargs)
-    MTPLossLoggingHelper.save_loss_to_tracker = staticmethod(save)
+        return original(loss, *args, **kwargs)
+    setattr(MTPLossLoggingHelper, name, staticmethod(save))
 
 
 def _batches(data: TokenDataset, step: int, num_microbatches: int, device):

@@ -148,7 +148,7 @@ def _gone(pid):
 
 def test_crashed_and_hung_ranks_end_as_errors(tmp_path):
     case = tmp_path / "watch.yaml"
-    case.write_text(FAULTS.replace("timeout_s: 120", "timeout_s: 10").split("variants:")[0] + textwrap.dedent("""\
+    case.write_text(FAULTS.replace("timeout_s: 120", "timeout_s: 20").split("variants:")[0] + textwrap.dedent("""\
         variants:
           - {name: crash, pipeline_model_parallel_layout: "Et|tt|tm|L", pipeline_model_parallel_size: 4, inject: crash_rank}
           - {name: hang, pipeline_model_parallel_layout: "Et|tt|tm|L", pipeline_model_parallel_size: 4, inject: hang_rank}
@@ -159,7 +159,7 @@ def test_crashed_and_hung_ranks_end_as_errors(tmp_path):
     v = {x["name"]: x for x in json.loads((tmp_path / "faults" / "summary.json").read_text())["variants"]}
     assert v["crash"]["verdict"] == "error" and v["crash"]["reason"].startswith("rank 3 exited with code 1")
     assert "planted fault crash_rank" in (tmp_path / "faults" / "index.html").read_text()
-    assert v["hang"]["verdict"] == "error" and "timeout after 10 s" in v["hang"]["reason"]
+    assert v["hang"]["verdict"] == "error" and "timeout after 20 s" in v["hang"]["reason"]
     assert v["after"]["verdict"] == "pass"          # the other variants still run
     for name in ("crash", "hang"):
         pids = _pids(tmp_path / "faults" / "runs" / name)
