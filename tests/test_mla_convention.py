@@ -14,6 +14,8 @@ CPU paths taken through megatron (it assumes CUDA in two places, TE in one):
   ``HAVE_TE`` is patched off.  Megatron's local ``DotProductAttention`` takes no ``k_channels`` (MLA needs
   TE's), so the attention test plugs in a plain causal softmax core, the same math as the reference's.
 """
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,16 +32,22 @@ from reference_impl.model.attention import MLASelfAttention  # noqa: E402
 from reference_impl.model.common import apply_rope, rope_cos_sin  # noqa: E402
 
 CP_UNUSED = object()   # apply_rotary_pos_emb's cp_group: unused on the unfused bshd path
+# How MLASelfAttention asks for its rope: up to megatron-core 0.16 the config's multi_latent_attention selects the
+# de-interleave; from 0.19 (rope_utils.apply_rotary_pos_emb's `mla_rotary_interleaved`, default False) MLA passes
+# mla_rotary_interleaved=True itself (multi_latent_attention.py), so the tests pass it as MLA does.
+MLA_ROPE = ({"mla_rotary_interleaved": True}
+            if "mla_rotary_interleaved" in inspect.signature(apply_rotary_pos_emb).parameters else {})
 
 
 def mla_config(cfg: ModelConfig) -> MLATransformerConfig:
-    """Megatron's MLA config for the reference's `ModelConfig`: plain RoPE, unfused, CPU, fp32."""
+    """Megatron's MLA config for the reference's `ModelConfig`: plain RoPE, unfused, CPU, fp32, q/kv layernorms
+    (as the megatron trainer's; megatron >= 0.19 checks the spec's norms against qk_layernorm)."""
     return MLATransformerConfig(
         num_layers=1, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim,
         qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim, rope_type="rope",
         rotary_base=cfg.rotary_base, apply_rope_fusion=False, layernorm_epsilon=cfg.layernorm_epsilon,
-        normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+        normalization="RMSNorm", qk_layernorm=True, add_bias_linear=False, use_cpu_initialization=True,
         perform_initialization=False, params_dtype=torch.float32)
 
 
@@ -69,7 +77,7 @@ def _both(s, b, n, r, base, seed):
     cos, sin = rope_cos_sin(s, r, base)
     outs, grads = [], []
     for fn in (lambda t: apply_rope(t, cos, sin),
-               lambda t: apply_rotary_pos_emb(t, megatron_emb(s, r, base), cfg, cp_group=CP_UNUSED)):
+               lambda t: apply_rotary_pos_emb(t, megatron_emb(s, r, base), cfg, cp_group=CP_UNUSED, **MLA_ROPE)):
         leaf = full.clone().requires_grad_()
         out = fn(leaf[..., 8:])
         out.backward(up)
@@ -105,7 +113,8 @@ def test_old_half_rotation_differs_from_megatron(cpu_megatron):
     s, b, n, r, base = 7, 3, 4, 8, 10000.0
     x = torch.randn(s, b, n, r, generator=torch.Generator().manual_seed(0))
     cos, sin = rope_cos_sin(s, r, base)
-    meg = apply_rotary_pos_emb(x, megatron_emb(s, r, base), mla_config(ModelConfig()), cp_group=CP_UNUSED)
+    meg = apply_rotary_pos_emb(x, megatron_emb(s, r, base), mla_config(ModelConfig()), cp_group=CP_UNUSED,
+                               **MLA_ROPE)
     assert not torch.allclose(old_half_rotation(x, cos, sin), meg, atol=1e-3)
     assert torch.equal(apply_rope(x, cos, sin), meg)
     # position 0 is the identity rotation: the two differ only by the de-interleave permutation there
