@@ -14,6 +14,7 @@ import platform
 import re
 import socket
 from datetime import datetime, timezone
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
@@ -22,15 +23,25 @@ ARITHMETIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", 
                   "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE")
 
 
-def cpu_model() -> str:
-    """The CPU's model name ('AMD EPYC 9654 96-Core Processor'), from /proc/cpuinfo on Linux."""
+@lru_cache(maxsize=1)
+def _first_cpu() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({lower-case key: value}); {} where there is none.  Read
+    once per process (the model and the family come from the same block)."""
+    fields: dict = {}
     try:
         for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip() and fields:
+                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip().lower(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name ('AMD EPYC 9654 96-Core Processor'), from /proc/cpuinfo on Linux."""
+    return _first_cpu().get("model name") or platform.processor() or "unknown"
 
 
 def cpu_family() -> str:
@@ -38,17 +49,7 @@ def cpu_family() -> str:
     'unknown' elsewhere.  Vendors' math libraries take other code paths by vendor (measured: MKL's vector
     square root rounds differently on Intel and AMD under ``MKL_CBWR=COMPATIBLE``), so goldens say on which
     families they were checked (`harness.golden`)."""
-    fields: dict = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip().lower()
-            if key in ("vendor_id", "cpu family") and key not in fields:
-                fields[key] = value.strip()
-            if not line.strip() and fields:
-                break
-    except OSError:
-        pass
+    fields = _first_cpu()
     if "vendor_id" not in fields:
         return "unknown"
     return f"{fields['vendor_id']} family {fields.get('cpu family', '?')}"

@@ -58,8 +58,8 @@ import re
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from trainerkit.config import (MAX_GPUS, MAX_TIMEOUT_S, ModelConfig, ParallelConfig, RunConfig, TrainingConfig,
-                                   check_expert_parallel, overlap_problem)
+from trainerkit.config import (MAX_GPUS, MAX_TIMEOUT_S, DataConfig, ModelConfig, ParallelConfig, RunConfig,
+                               TrainingConfig, check_expert_parallel, overlap_problem)
 from trainerkit.data import DataError, TokenDataset
 from trainerkit.layout import LayoutError, PipelineLayout
 from trainerkit.schedule import ScheduleError, build_schedule, simulate
@@ -351,12 +351,17 @@ def _read_yaml(path: Path, seen: tuple) -> dict:
     return raw
 
 
+def _beside(path: Path, data: DataConfig) -> DataConfig:
+    """`data` with a relative path resolved against the case file `path` (training's and each variant's)."""
+    if data.path and not Path(data.path).is_absolute():
+        return data.model_copy(update={"path": str((path.parent / data.path).resolve())})
+    return data
+
+
 def _check_data(path: Path, spec: CaseSpec) -> None:
     """Load the data once here so a missing file or an out-of-vocabulary token is a usage error."""
-    data = spec.training.data
-    if data.path and not Path(data.path).is_absolute():      # relative to the case file
-        data = data.model_copy(update={"path": str((path.parent / data.path).resolve())})
-        spec.training = spec.training.model_copy(update={"data": data})
+    data = _beside(path, spec.training.data)
+    spec.training = spec.training.model_copy(update={"data": data})
     try:
         TokenDataset(data, 0, spec.training.seq_length, 1, spec.model.vocab_size)
     except DataError as e:
@@ -372,9 +377,7 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     except ValidationError as e:
         raise UsageError(f"{where}: options.{_loc(e)}") from None
     expectations.check(where, v.expect, v.first_divergence, is_baseline, spec.model, training, v.signature)
-    if training.data.path and not Path(training.data.path).is_absolute():    # relative to the case file, as training's
-        training = training.model_copy(update={"data": training.data.model_copy(
-            update={"path": str((path.parent / training.data.path).resolve())})})
+    training = training.model_copy(update={"data": _beside(path, training.data)})
     if training.data != spec.training.data:
         try:
             TokenDataset(training.data, 0, training.seq_length, 1, spec.model.vocab_size)

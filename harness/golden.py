@@ -214,21 +214,22 @@ def write(directory: Path, case: str, traces: dict, files: dict, key: dict, env:
 
     unchanged = same and all(old_text(n) == t for n, t in texts.items())
     family = env.get("cpu_family", "unknown")
-    if keep:
-        checked = list(old["checked_on"]) if unchanged else [family]
-    else:
-        checked = sorted(set(old["checked_on"]) | {family}) if unchanged and not (
-            set(old["variants"]) - set(traces)) else [family]
+    if not unchanged:
+        checked = [family]
+    elif keep:                  # the kept goldens were not run on this family: it confirms nothing new
+        checked = list(old["checked_on"])
+    else:                       # every golden was run here with the same bits
+        checked = sorted(set(old["checked_on"]) | {family})
     by_text: dict = {}
     for name, text in texts.items():
         by_text.setdefault(text, []).append(name)
     (directory / "runs").mkdir(exist_ok=True)
     variants = dict(keep)
     kept_files = {e["file"] for e in keep.values()}
+    kept_texts = {f: (directory / f).read_text() for f in sorted(kept_files) if (directory / f).is_file()}
     for text, group in by_text.items():
         # a kept golden with these very bits: share its file (a partial refresh that moved nothing writes nothing)
-        file = next((f for f in sorted(kept_files) if (directory / f).is_file() and (directory / f).read_text() == text),
-                    None)
+        file = next((f for f, kept in kept_texts.items() if kept == text), None)
         if file is None:
             file = f"runs/{files[group[0]]}.json"
             while file in kept_files:                           # never overwrite a kept variant's golden
@@ -262,7 +263,7 @@ def check(loaded: dict, directory: Path, traces: dict, family: str) -> tuple[dic
     ``pass`` / ``fail`` / ``unchecked`` (every difference is of the ``unchecked`` kind: not a code failure).
     """
     index, per = loaded["index"], {}
-    checked_on = index.get("checked_on", [])
+    checked_on = index["checked_on"]          # a list of families (`_read_index`)
     known = family in checked_on
     for name, trace in traces.items():
         entry = index["variants"].get(name)

@@ -31,11 +31,12 @@ def versions(config: RunConfig) -> dict:
         return {"trainer": config.trainer}
     from megatron_trainer import compat
     version = megatron_version()
-    return {"trainer": config.trainer, "megatron_core": version,
-            "megatron_commit": (megatron_source() or {}).get("commit"), "megatron_compat": compat.VERSION,
+    commit = (megatron_source() or {}).get("commit")
+    return {"trainer": config.trainer, "megatron_core": version, "megatron_commit": commit,
+            "megatron_compat": compat.VERSION,
             "megatron_compat_points": list(compat.points(config.device)),
             "megatron_compat_checked_versions": list(compat.SUPPORTED) + list(compat.CHECKED_COMMITS),
-            "megatron_version_checked": compat.version_checked(version or "", (megatron_source() or {}).get("commit"))}
+            "megatron_version_checked": compat.version_checked(version or "", commit)}
 
 
 def problem(config: RunConfig) -> Optional[str]:

@@ -42,7 +42,9 @@ def _default_documents() -> list[np.ndarray]:
 def text_sha256(cfg: DataConfig) -> str:
     """sha256 of the bytes behind `cfg` when it is the shipped text or a text file (for the manifest), '' for an
     indexed dataset, 'unreadable (reason)' when the file went away after validation (never raises)."""
-    path = text.PATH if cfg.path is None else Path(cfg.path)
+    if cfg.path is None:        # the pinned bytes: `text.documents` refuses any other
+        return text.SHA256
+    path = Path(cfg.path)
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
     except OSError as e:
