@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import bounds, trainers
+from . import bounds, interrupt, trainers
 from .errors import UsageError
 
 
@@ -225,15 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``bitparity`` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
 
-    def _terminate(signum, frame):          # SIGTERM (CI cancel, `timeout`): unwind so ranks get reaped
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, _terminate)
+    # Ctrl-C, SIGTERM (CI cancel, `timeout`): unwind so ranks get reaped
+    interrupt.install()
     try:
         args = _parser().parse_args(argv)
-        if args.command == "verify":
-            return _verify(args, argv)
-        if args.command == "fuzz":
-            return _fuzz(args, argv)
+        if args.command in ("verify", "fuzz"):
+            code = _verify(args, argv) if args.command == "verify" else _fuzz(args, argv)
+            interrupt.check()               # one Python swallowed on the way (harness.interrupt)
+            return code
         if args.command in ("layout", "schedule"):
             # a reader that stops early (| head) ends a filter quietly, as it ends `ls`
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)

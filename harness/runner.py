@@ -22,6 +22,8 @@ from typing import Optional
 
 from trainerkit.config import RunConfig
 
+from . import interrupt
+
 _CTX = mp.get_context("forkserver")
 # the launch entry point of each trainer: a module with rank_main(...) (forkserver) and main() (torchrun -m)
 WORKERS = {"reference": "reference_impl.worker", "megatron-core": "megatron_trainer.worker"}
@@ -146,6 +148,18 @@ def _torchrun_ranks(agent: int) -> dict[int, int]:
     return ranks
 
 
+def _wait_checking(proc: subprocess.Popen, deadline: float) -> int:
+    """`proc`'s exit code, waiting until `deadline` (time.monotonic()) in slices of at most 1 s, so that an
+    interrupt Python swallowed still ends the wait (harness.interrupt).  Raises subprocess.TimeoutExpired."""
+    while True:
+        interrupt.check()
+        try:
+            return proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+
+
 def run_torchrun(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
     """Launch the ranks with ``torchrun --standalone --nproc-per-node P*EP`` (one process per rank, rank and
     world from the environment, local rank r on ``cuda:r``) under the same watchdog.  torchrun dies with the
@@ -164,7 +178,7 @@ def run_torchrun(cfg: RunConfig, run_dir: Path, timeout_s: float) -> RunOutcome:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=lambda: die_with_parent(harness))
         try:
-            code = proc.wait(timeout=timeout_s)
+            code = _wait_checking(proc, start + timeout_s)
             error = None if code == 0 else (f"torchrun exited with code {code}; " +
                                             (_first_failure(run_dir, world) or tail(run_dir / "torchrun.log")))
         except subprocess.TimeoutExpired:
@@ -204,6 +218,7 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "
             p.start()
         pending = {p.sentinel: r for r, p in enumerate(procs)}
         while pending and error is None:
+            interrupt.check()
             left = timeout_s - (time.monotonic() - start)
             if left <= 0:
                 alive = sorted(pending.values())
