@@ -49,7 +49,7 @@ case that passes cannot exhaust memory or processes later.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -171,6 +171,7 @@ class PlannedRun:
     config: RunConfig
     layout: PipelineLayout
     is_baseline: bool
+    twin_of: Optional[str] = None   # the run of the case file this one repeats on another megatron (harness.sources)
 
 
 @dataclass
@@ -181,6 +182,10 @@ class CasePlan:
     path: Path
     spec: CaseSpec
     runs: list[PlannedRun]      # baseline first
+    # two megatron sources compared (harness.sources): {"base": {...}, "head": {...}} and the flags that say so,
+    # which every reproduce command repeats
+    megatron_sources: Optional[dict] = None
+    flags: list = field(default_factory=list)
 
     def facts(self) -> dict:
         """What the case adds to the machine's facts that its bits depend on: thread count, device and

@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
                    "(harness.golden; e.g. goldens/smoke); any differing bit fails")
     g.add_argument("--write-golden", metavar="DIR", help="record the runs as goldens in DIR (only if every "
                    "variant passes); refresh after an intended change with `make golden`")
+    v.add_argument("--megatron-base", metavar="DIR", help="also run every megatron-core run on this megatron (a "
+                   "Megatron-LM checkout, or 'installed') as <run>@base, compared bit for bit with the run on head "
+                   "(harness.sources: Megatron-LM PR #2136's 'main branch vs this MR')")
+    v.add_argument("--megatron-head", metavar="DIR", help="the megatron the case's megatron-core runs import (a "
+                   "Megatron-LM checkout, or 'installed'; default: the one this Python imports)")
     v.add_argument("--train-iters", type=int, metavar="N", help="override the case's training.train_iters "
                    "(e.g. 8 for the long profile, make verify-long)")
     fz = sub.add_parser("fuzz", help="random valid layouts of a case's model against its baseline; shrinks a failure")
@@ -123,13 +128,20 @@ def _verify(args, argv) -> int:
     from .cases import load_case
     from .verify import verify
     from trainerkit.config import MAX_TIMEOUT_S, MAX_TRAIN_ITERS
-    from . import golden
+    from . import golden, sources
     from .arithmetic import cpu_family
     if args.train_iters is not None and not 1 <= args.train_iters <= MAX_TRAIN_ITERS:
         raise UsageError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS}")
     for flag, value in (("--golden", args.golden), ("--write-golden", args.write_golden)):
         if value is not None and not value.strip():
             raise UsageError(f"{flag}: empty path")
+    if args.megatron_base is not None and (args.golden is not None or args.write_golden is not None):
+        raise UsageError("--megatron-base with --golden / --write-golden: goldens hold the runs of one megatron; "
+                         "compare two sources without them")
+    head = sources.resolve("--megatron-head", args.megatron_head) if args.megatron_head is not None else None
+    base = sources.resolve("--megatron-base", args.megatron_base) if args.megatron_base is not None else None
+    if head is not None:
+        sources.use_head(head)      # before load_case: its checks import megatron
     overrides = {"device": args.device, "num_gpus": args.num_gpus, "params_dtype": args.params_dtype}
     try:
         plan = load_case(args.case, only=args.only, inject=args.inject,
@@ -141,6 +153,7 @@ def _verify(args, argv) -> int:
             raise
         load_case(args.case, only=args.only, inject=args.inject, overrides=overrides)
         raise UsageError(f"--train-iters {args.train_iters}: {e}") from None
+    plan = sources.with_sources(plan, head, base)
     goldens = None
     if args.golden is not None:
         key = golden.key_for(plan)

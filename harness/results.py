@@ -140,6 +140,9 @@ class CaseResult:
     # "pass" | "fail" | "unchecked" (differs on a CPU family the goldens were never checked on), "checked_on"}; None
     # when not asked
     golden: Optional[dict] = None
+    # `verify --megatron-base/--megatron-head` (harness.sources): {"head": {"path", "version", "commit",
+    # "modified"}, "base": {...}}; None when the case ran on the interpreter's megatron alone
+    megatron_sources: Optional[dict] = None
 
     @property
     def all_pass(self) -> bool:

@@ -33,13 +33,15 @@ _CTX.set_forkserver_preload([WORKERS["reference"]])
 def preload(configs) -> None:
     """Have the forkserver import the workers of these runs' trainers before it forks ranks (call before the
     first run: a forkserver already running keeps its preload, and its ranks then import the trainer
-    themselves).  Not megatron-core when any run is on CUDA: importing megatron initialises CUDA, which a
-    forked rank then cannot use."""
+    themselves).  megatron-core itself (`megatron_trainer.preload`) only when every megatron run imports the
+    same one (``megatron_path``) and none runs on CUDA: importing megatron initialises CUDA, which a forked
+    rank then cannot use."""
     configs = list(configs)
-    extra = {c.trainer for c in configs} - {"reference"}
-    if any(c.device == "cuda" for c in configs):
-        extra.discard("megatron-core")
-    _CTX.set_forkserver_preload([WORKERS[t] for t in ("reference", *sorted(extra))])
+    modules = [WORKERS[t] for t in ("reference", *sorted({c.trainer for c in configs} - {"reference"}))]
+    megatron = [c for c in configs if c.trainer == "megatron-core"]
+    if megatron and len({c.megatron_path for c in megatron}) == 1 and not any(c.device == "cuda" for c in configs):
+        modules.append("megatron_trainer.preload")
+    _CTX.set_forkserver_preload(modules)
 
 
 @dataclass

@@ -4,23 +4,32 @@ The harness reaches a trainer only through its worker module (`runner.WORKERS`) 
 (TRACE_FORMAT.md).  ``reference`` is ours (reference_impl); ``megatron-core`` runs megatron-core's own GPTModel,
 schedules, DDP and optimizer (megatron_trainer; the optional extra ``bitparity[megatron]``).  For the latter
 the run config is also handed to megatron's own ``TransformerConfig`` here, in the harness, so megatron's
-validator (layout, MoE, MTP, overlap rules) speaks at planning time, not in every rank.
+validator (layout, MoE, MTP, overlap rules) speaks at planning time, not in every rank; for a megatron the
+harness does not import (the base of ``verify --megatron-base``), in a process that imports it
+(`validate_elsewhere`).
 """
 from __future__ import annotations
 
-import importlib.metadata
-import logging
-import warnings
 from typing import Optional
 
 from megatron_trainer.source import megatron_source
 
 from trainerkit.config import RunConfig
 
-def megatron_version() -> Optional[str]:
-    """The version of the megatron-core the ranks will import (`megatron_source`), or None."""
-    src = megatron_source()
+def megatron_version(path: Optional[str] = None) -> Optional[str]:
+    """The version of the megatron-core the ranks of a run with ``megatron_path`` `path` will import
+    (`megatron_source`), or None."""
+    src = megatron_source(path)
     return src["version"] if src else None
+
+
+def imported_here(config: RunConfig) -> bool:
+    """Whether `config`'s megatron is the one this (the harness's) process imports, so that megatron's own
+    validator can run here; otherwise `validate_elsewhere` runs it."""
+    if config.megatron_path is None:
+        return True
+    mine, theirs = megatron_source(), megatron_source(config.megatron_path)
+    return mine is not None and theirs is not None and mine["path"] == theirs["path"]
 
 
 def versions(config: RunConfig) -> dict:
@@ -30,9 +39,10 @@ def versions(config: RunConfig) -> dict:
     if config.trainer != "megatron-core":
         return {"trainer": config.trainer}
     from megatron_trainer import compat
-    version = megatron_version()
-    commit = (megatron_source() or {}).get("commit")
+    src = megatron_source(config.megatron_path) or {}
+    version, commit = src.get("version"), src.get("commit")
     return {"trainer": config.trainer, "megatron_core": version, "megatron_commit": commit,
+            "megatron_path": src.get("path"), "megatron_modified": src.get("modified"),
             "megatron_compat": compat.VERSION,
             "megatron_compat_points": list(compat.points(config.device)),
             "megatron_compat_checked_versions": list(compat.SUPPORTED) + list(compat.CHECKED_COMMITS),
@@ -56,23 +66,20 @@ def problem(config: RunConfig) -> Optional[str]:
         except faults.FaultError as e:
             return str(e)
         return None
-    version = megatron_version()
+    version = megatron_version(config.megatron_path)
+    if version is None and config.megatron_path is not None:
+        return f"trainer megatron-core: {config.megatron_path}: no megatron/core/ in it"
     if version is None:
         return ("trainer megatron-core: megatron-core is not installed; install the extra with "
                 "`pip install -e '.[megatron]'` (or run `make verify-megatron`)")
-    # a CUDA build of torch without a GPU logs "No CUDA runtime is found" when megatron imports cpp_extension: a
-    # warning of the torch build, not a line of bitparity's one-line errors
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():     # megatron warns on import that TE / Apex are missing: not our line
-            warnings.simplefilter("ignore")
-            import megatron.core  # noqa: F401  (distribution metadata can outlive a broken install)
-    except ImportError as e:
-        return (f"trainer megatron-core: megatron-core {version} is installed but cannot be imported ({e}); "
-                "reinstall it (`pip install -e '.[megatron]'`) or fix its dependencies")
-    from megatron_trainer import compat, faults
+    from megatron_trainer import compat, faults, validate
 
-    commit = (megatron_source() or {}).get("commit")
+    if imported_here(config):
+        problem = validate.import_problem()     # distribution metadata can outlive a broken install
+        if problem:
+            return (f"trainer megatron-core: megatron-core {version} is installed but cannot be imported ({problem}); "
+                    "reinstall it (`pip install -e '.[megatron]'`) or fix its dependencies")
+    commit = (megatron_source(config.megatron_path) or {}).get("commit")
     if config.device == "cpu" and not compat.version_checked(version, commit) and not compat.unchecked_allowed():
         return f"trainer megatron-core: {compat.unchecked_message(version, commit)}"
     t, par = config.training, config.parallel
@@ -101,14 +108,38 @@ def problem(config: RunConfig) -> Optional[str]:
 
 
 def megatron_config_problem(config: RunConfig) -> Optional[str]:
-    """megatron's own ``MLATransformerConfig`` validation of `config`'s model and layout, as one line."""
-    from megatron_trainer.model import transformer_config
+    """megatron's own ``MLATransformerConfig`` validation of `config`'s model and layout, as one line; None when
+    it accepts it, or when `config`'s megatron is not the one imported here (`validate_elsewhere` does those)."""
+    if not imported_here(config):
+        return None
+    from megatron_trainer.validate import config_problem
+    return config_problem(config)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            transformer_config(config)
-        except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
-            text = " ".join(str(e).split()) or type(e).__name__
-            return f"megatron-core rejects this run: {text}"
-    return None
+
+def validate_elsewhere(configs: list[RunConfig], timeout_s: float = 300.0) -> list[Optional[str]]:
+    """`megatron_config_problem` of each config, all with one ``megatron_path`` the harness does not import, in
+    a process of its own that imports that megatron (``python -m megatron_trainer.validate``).
+
+    Raises:
+        UsageError: that megatron cannot be imported, or the validator died (one line, its last line)."""
+    import json
+    import subprocess
+    import sys
+
+    from .errors import UsageError
+    path = configs[0].megatron_path
+    try:
+        done = subprocess.run([sys.executable, "-m", "megatron_trainer.validate"], capture_output=True, text=True,
+                              input=json.dumps([c.model_dump(mode="json") for c in configs]), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"megatron in {path}: validating the runs took over {timeout_s:.0f} s") from None
+    try:
+        out = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        out = None
+    if isinstance(out, dict):
+        raise UsageError(f"megatron in {path} cannot be imported: {out['error']}")
+    if not isinstance(out, list) or len(out) != len(configs):
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"megatron in {path}: its validator failed (exit {done.returncode}): {last}")
+    return out

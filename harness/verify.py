@@ -28,6 +28,7 @@ from .compare import Comparison, compare, replica_status
 from .evidence import collect as collect_evidence
 from .localise import boundary_mismatches, localise
 from .report import write_report
+from .report.words import megatron_source_words
 from .results import CaseResult, StepSeries, VariantResult
 from .runner import RunOutcome, run_ranks
 from .runner import preload as runner_preload
@@ -237,8 +238,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     plan_configs = {r.spec.name: r.config for r in plan.runs}
     schedules = {r.spec.name: _schedule(r) for r in plan.runs}
     # a fault planted from the command line (--inject) is not in the case file: the command must repeat it
-    reproduce = {r.spec.name: shlex.join(["bitparity", "verify", str(plan.path), "--only", r.spec.name,
-                                          "--out", str(out_root)] +
+    reproduce = {r.spec.name: shlex.join(["bitparity", "verify", str(plan.path), "--only", r.twin_of or r.spec.name,
+                                          "--out", str(out_root), *plan.flags] +
                                          (["--inject", r.config.inject] if r.config.inject and not r.spec.inject
                                           else [])) for r in plan.runs}
     # checkpoints: a run that others resume from saves after their step; resuming runs go last
@@ -330,6 +331,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             outside_signature_count=len(outside)))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env.update(plan.facts(), launcher=launcher)
+    for role, src in (plan.megatron_sources or {}).items():
+        env[f"megatron_{role}"] = megatron_source_words(src)
     env.update(_transport_facts(work / dirs[base_name]))
     cross = None
     spec = plan.spec.cross_implementation
@@ -344,7 +347,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         (work / v.run_dir / "comparison.json").write_text(json.dumps(_comparison_record(v), indent=1))
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
                         elapsed_s=time.monotonic() - start, environment=env, command=command,
-                        cross_implementation=cross, golden=golden_record)
+                        cross_implementation=cross, golden=golden_record, megatron_sources=plan.megatron_sources)
     write_report(result, work)
     outdir.publish(work, final)
     return result

@@ -194,7 +194,9 @@ def header(cfg: RunConfig, rank: int, device: torch.device, r: MegatronRank, set
             "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
             "setup_s": setup_s,
             "settings": {"overlap_p2p_comm": r.config.overlap_p2p_comm, "batch_p2p_comm": r.config.batch_p2p_comm,
-                         "megatron_core": megatron.core.__version__, "compat_not_needed": dict(compat.NOT_NEEDED)}}
+                         "megatron_core": megatron.core.__version__,
+                         "megatron_path": str(Path(megatron.core.__path__[0]).resolve().parent.parent),
+                         "compat_not_needed": dict(compat.NOT_NEEDED)}}
 
 
 def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, started: float | None = None) -> None:

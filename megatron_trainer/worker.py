@@ -1,8 +1,10 @@
 """Process entry point of one megatron-core rank (world = P; TP = CP = EP = DP = 1).
 
 The same two launchers and lifecycle as every trainer (`trainerkit.process`): the harness runner's forkserver
-calls `rank_main` (this module, hence megatron-core, is imported there once, before any fork), and
-``torchrun ... -m megatron_trainer.worker CONFIG RUN_DIR`` runs `main`.
+calls `rank_main` (this module is imported there once, before any fork; megatron-core too, through
+`megatron_trainer.preload`, when every run of the case imports the same one), and
+``torchrun ... -m megatron_trainer.worker CONFIG RUN_DIR`` runs `main`.  A run that names its megatron
+(``RunConfig.megatron_path``) has it put first on sys.path before megatron is imported (`source.activate`).
 
 torch.compile off in every rank (``torch._dynamo.config.disable``, what ``TORCH_COMPILE_DISABLE=1`` sets; the
 forkserver has imported torch before this module, so the variable alone would come too late): megatron wraps its
@@ -28,15 +30,9 @@ import torch._dynamo.config
 import torch._inductor.config  # noqa: F401  use_deterministic_algorithms imports it (~2 s): pay once, pre-fork
 import torch.distributed as dist
 
-try:                            # the optional extra: without it the harness says so before anything runs
-    import megatron.core        # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-except ImportError:
-    pass
-
 from trainerkit.config import RunConfig
+
+from . import source
 
 
 def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None) -> None:
@@ -44,11 +40,12 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     training (`train.train`), write ``rank{r}.jsonl``; stdout/stderr go to ``rank{r}.log``."""
     started = time.perf_counter()
     process.enter_rank(rank, run_dir, forked=store_path is not None)
+    cfg = RunConfig.model_validate_json(cfg_json)
+    source.activate(cfg.megatron_path)      # before anything imports megatron
     from . import compat
     from .train import train
 
     torch._dynamo.config.disable = True
-    cfg = RunConfig.model_validate_json(cfg_json)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(cfg.training.num_threads)
     torch.use_deterministic_algorithms(True)

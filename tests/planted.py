@@ -25,6 +25,24 @@ def planted_tree(dest: Path, edits: dict[str, list[tuple[str, str]]]) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    return _edit(dest, edits)
+
+
+def planted_megatron(dest: Path, edits: dict[str, list[tuple[str, str]]]) -> Path:
+    """Copy the installed megatron-core's ``megatron/`` package under `dest` and apply `edits` (paths relative to
+    `dest`, e.g. ``megatron/core/transformer/multi_token_prediction.py``); returns `dest`, a directory for
+    ``verify --megatron-base / --megatron-head``.
+
+    Raises:
+        AssertionError: megatron-core is not installed, or an `old` text occurs zero or several times."""
+    from megatron_trainer.source import installed_root
+    root = installed_root()
+    assert root is not None, "megatron-core is not installed"
+    shutil.copytree(Path(root) / "megatron", dest / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    return _edit(dest, edits)
+
+
+def _edit(dest: Path, edits: dict[str, list[tuple[str, str]]]) -> Path:
     for rel, pairs in edits.items():
         path = dest / rel
         text = path.read_text()

@@ -260,6 +260,10 @@ class RunConfig(_Strict):
     # (megatron_trainer); both write the same trace (TRACE_FORMAT.md)
     trainer: Literal["reference", "megatron-core"] = "reference"
     inject: Optional[str] = None             # test-only planted fault (reference_impl.faults, megatron_trainer.faults)
+    # megatron-core: the directory holding the ``megatron/`` package this run imports (a Megatron-LM checkout, or
+    # the site-packages of an installed release): put first on the rank's sys.path before megatron is imported.
+    # None: the one the interpreter imports.  Two sources in one case (`verify --megatron-base`) compare them.
+    megatron_path: Optional[str] = None
     rank_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S)  # gloo collective / p2p timeout inside ranks
 
     @model_validator(mode="after")

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from harness.results import CaseResult
 
 from .words import (canonical_words, clean_text, clip_words, divergence_words, format_elapsed, golden_of,
-                    golden_words, outside_lines)
+                    golden_words, megatron_source_words, outside_lines)
 
 #: Lines of differences outside the signature listed per failing variant (the rest in the report).
 MAX_OUTSIDE_LINES = 5
@@ -64,6 +64,11 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         verdict = _VERDICT_MD.get(golden.get("verdict"), md_cell(golden.get("verdict")))
         lines += ["", f"Golden trace {md_cell(golden.get('dir'))}: {verdict} · environment "
                       f"{md_cell(golden.get('environment'))}"]
+    srcs = getattr(result, "megatron_sources", None)
+    if isinstance(srcs, dict) and srcs:
+        lines += [""] + [f"Megatron {role}: {md_cell(megatron_source_words(srcs[role]))}" + (
+            " (runs named <run>@base, each compared bit for bit with its run on head)" if role == "base" else "")
+            for role in ("head", "base") if isinstance(srcs.get(role), dict)]
     lines += [
         "",
         "| variant | layout | P | V | reductions | clip | expect | verdict | first divergence |",
@@ -124,4 +129,5 @@ def cross_implementation_markdown(rec: Optional[dict]) -> list[str]:
                      f"tensor scale (median {h['grad_median_scaled_ulp']:.3g}) over {h['tensors']} tensors, "
                      f"{h['grads_bitwise_equal']} bitwise equal · bound {rec.get('max_ulp')}")
     return lines
+
 

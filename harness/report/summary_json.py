@@ -111,6 +111,8 @@ def summary_dict(result: CaseResult) -> dict:
                                          "tensors": [...], ...}  (harness.crossimpl),
          "golden": None | {"dir": str, "environment": str, "verdict": "pass"|"fail"|"unchecked",
                            "checked_on": [str], "detail": str},
+         "megatron_sources": None | {"head": {"path": str, "version": str, "commit": str|None,
+                                               "modified": bool|None}, "base": {...} (with --megatron-base)},
          "environment": {...}}
 
     Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the
@@ -131,6 +133,7 @@ def summary_dict(result: CaseResult) -> dict:
     Non-finite numbers are written as strings so the file stays strict JSON.
     """
     golden = getattr(result, "golden", None)
+    sources = getattr(result, "megatron_sources", None)
     return {
         "case": str(result.case),
         "baseline": str(result.baseline),
@@ -139,5 +142,6 @@ def summary_dict(result: CaseResult) -> dict:
         "all_pass": bool(result.all_pass),
         "cross_implementation": json_safe(dict(result.cross_implementation)) if result.cross_implementation else None,
         "golden": json_safe(dict(golden)) if isinstance(golden, dict) else None,
+        "megatron_sources": json_safe(dict(sources)) if isinstance(sources, dict) else None,
         "environment": json_safe(dict(result.environment or {})),
     }

@@ -315,3 +315,10 @@ def trace_file(v: VariantResult) -> Optional[str]:
     without a run directory."""
     d = run_dir_of(v)
     return None if d is None else f"{d}/schedule.trace.json"
+
+
+def megatron_source_words(src: dict) -> str:
+    """One line naming a megatron source (`harness.sources`): version, commit (+ local changes), path."""
+    commit = src.get("commit")
+    where = f" commit {str(commit)[:12]}{' + local changes' if src.get('modified') else ''}" if commit else ""
+    return f"megatron-core {src.get('version')}{where} at {src.get('path')}"

@@ -1,0 +1,65 @@
+"""megatron's own validation of run configs (``MLATransformerConfig.__post_init__``: layout, MoE, MTP and
+overlap rules), in the harness process or, for a megatron the harness does not import (the base of
+``verify --megatron-base``), in a process of its own::
+
+    python -m megatron_trainer.validate < configs.json      # a JSON list of RunConfig, one megatron_path
+
+prints a JSON list with one entry per config (None or the one-line problem), or ``{"error": line}`` when that
+megatron cannot be imported at all.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from typing import Optional
+
+from trainerkit.config import RunConfig
+
+from . import source
+
+
+def config_problem(config: RunConfig) -> Optional[str]:
+    """megatron's own ``MLATransformerConfig`` validation of `config`'s model and layout, as one line (None
+    when megatron accepts it).  Imports the megatron this process imports."""
+    from .model import transformer_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            transformer_config(config)
+        except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
+            text = " ".join(str(e).split()) or type(e).__name__
+            return f"megatron-core rejects this run: {text}"
+    return None
+
+
+def import_problem() -> Optional[str]:
+    """Why the megatron this process would import cannot be imported, in one line (None when it can)."""
+    # a CUDA build of torch without a GPU logs "No CUDA runtime is found" when megatron imports cpp_extension: a
+    # warning of the torch build, not a line of bitparity's one-line errors
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():     # megatron warns on import that TE / Apex are missing: not our line
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401
+            import megatron.core.models.gpt  # noqa: F401
+    except Exception as e:      # a broken tree fails in many ways (ImportError, SyntaxError, AttributeError...)
+        return " ".join(f"{type(e).__name__}: {e}".split())
+    return None
+
+
+def main() -> None:
+    configs = [RunConfig.model_validate(c) for c in json.load(sys.stdin)]
+    paths = {c.megatron_path for c in configs}
+    if len(paths) != 1:
+        raise SystemExit(f"one megatron_path per call, got {sorted(map(str, paths))}")
+    source.activate(paths.pop())
+    problem = import_problem()
+    out = {"error": problem} if problem else [config_problem(c) for c in configs]
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Two megatron sources in one case (`verify --megatron-base/--megatron-head`, harness.sources): Megatron-LM PR
+#2136's first check, the same layouts on the merge request and its target branch, bit for bit.
+
+* two identical sources (the installed megatron-core and a copy of it): every run on base is bitwise equal to
+  its run on head, and the report names both sources;
+* a head with a planted change in megatron's MTP layer (`MultiTokenPredictionLayer`: the concatenation of
+  embedding and hidden state swapped): the layouts within head still agree with each other (the change is the
+  same on every layout, which is why check (1) exists), while every base run differs from its head run first
+  at step 0, microbatch 0, the MTP loss (the LM loss equal there);
+* a source that is not a megatron, cannot be imported, or rejects a layout is one line before anything runs.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from conftest import ROOT, run_cli  # noqa: E402
+from planted import planted_megatron  # noqa: E402
+from test_cli_errors import _check_usage_error  # noqa: E402
+
+from megatron_trainer.source import installed_root  # noqa: E402
+
+CASE = ROOT / "tests" / "cases" / "megatron-small.yaml"
+BASELINE, STANDALONE = "pp2-vpp2-mtp-with-loss", "pp4-mtp-only-stage"
+MTP = "megatron/core/transformer/multi_token_prediction.py"
+SWAP = ("hidden_states = torch.cat((decoder_input, hidden_states), -1)",
+        "hidden_states = torch.cat((hidden_states, decoder_input), -1)")
+
+pytestmark = [pytest.mark.slow, pytest.mark.megatron]
+
+
+def _verify(out, *args):
+    proc = run_cli("verify", CASE, "--out", out, "--only", STANDALONE, *args)
+    summary = out / CASE.stem / "summary.json"
+    assert summary.exists(), proc.stdout + proc.stderr
+    return proc, json.loads(summary.read_text())
+
+
+def test_identical_sources_pass_and_are_named(tmp_path):
+    base = planted_megatron(tmp_path / "base", {})
+    proc, summary = _verify(tmp_path / "out", "--megatron-base", base)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    v = {x["name"]: x for x in summary["variants"]}
+    assert set(v) == {BASELINE, STANDALONE, BASELINE + "@base", STANDALONE + "@base"}
+    for name in (BASELINE, STANDALONE):
+        twin = v[name + "@base"]
+        assert (twin["compare_to"], twin["expect"], twin["verdict"], twin["bitwise_equal"]) == \
+            (name, "bitwise", "pass", True)
+    src = summary["megatron_sources"]
+    assert src["base"]["path"] == str(base.resolve()) and src["head"]["path"] == installed_root()
+    assert src["base"]["version"] == src["head"]["version"]
+    env = summary["environment"]
+    assert str(base.resolve()) in env["megatron_base"] and installed_root() in env["megatron_head"]
+    md = (tmp_path / "out" / CASE.stem / "summary.md").read_text()
+    assert "Megatron base:" in md and "Megatron head:" in md
+    # each run records the megatron it imported; the base run's reproduce command repeats the flag
+    report = tmp_path / "out" / CASE.stem
+    manifest = json.loads((report / "runs" / (STANDALONE + "_base") / "manifest.json").read_text())
+    assert manifest["trainer"]["megatron_path"] == str(base.resolve())
+    assert manifest["config"]["megatron_path"] == str(base.resolve())
+    assert f"--only {STANDALONE} " in manifest["command"] and "--megatron-base" in manifest["command"]
+    head = json.loads((report / "runs" / STANDALONE / "manifest.json").read_text())
+    assert head["trainer"]["megatron_path"] == installed_root()
+    # what the ranks themselves imported (their trace headers), not only what they were told
+    for run, path in ((STANDALONE + "_base", str(base.resolve())), (STANDALONE, installed_root())):
+        for rank in range(4):
+            header = json.loads((report / "runs" / run / f"rank{rank}.jsonl").read_text().splitlines()[0])
+            assert header["settings"]["megatron_path"] == path, (run, rank)
+
+
+def test_a_planted_megatron_change_fails_at_the_mtp_loss(tmp_path):
+    head = planted_megatron(tmp_path / "head", {MTP: [SWAP]})
+    proc, summary = _verify(tmp_path / "out", "--megatron-base", "installed", "--megatron-head", head)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    v = {x["name"]: x for x in summary["variants"]}
+    assert v[STANDALONE]["verdict"] == "pass" and v[STANDALONE]["bitwise_equal"]   # within head: same change
+    for name in (BASELINE, STANDALONE):
+        twin = v[name + "@base"]
+        assert twin["verdict"] == "fail", twin
+        fd = twin["first_divergence"]
+        assert (fd["step"], fd["kind"], fd["microbatch"], fd["name"]) == (0, "loss", 0, "mtp_1"), fd
+    # the LM loss of that microbatch is equal: the change is in the MTP layer only
+    report = tmp_path / "out" / CASE.stem
+    a, b = (json.loads((report / "runs" / d / "trace.json").read_text()) for d in (STANDALONE, STANDALONE + "_base"))
+    la, lb = a["steps"][0]["losses"][0], b["steps"][0]["losses"][0]
+    assert la["lm"]["hex"] == lb["lm"]["hex"] and la["mtp"][0]["hex"] != lb["mtp"][0]["hex"]
+    assert summary["megatron_sources"]["head"]["path"] == str(head.resolve())
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--megatron-base", "/nonexistent/mlm"], ["--megatron-base /nonexistent/mlm", "no such directory"]),
+    (["--megatron-base", str(ROOT / "README.md")], ["not a directory"]),
+    (["--megatron-base", str(ROOT / "cases")], ["not a Megatron-LM checkout", "no megatron/core/"]),
+    (["--megatron-head", str(ROOT / "cases")], ["--megatron-head", "no megatron/core/"]),
+    (["--megatron-base", ""], ["--megatron-base: empty path"]),
+    (["--megatron-base", "installed", "--golden", str(ROOT / "goldens" / "smoke")], ["goldens hold"]),
+])
+def test_a_bad_source_is_one_line(tmp_path, flags, fragments):
+    _check_usage_error(run_cli("verify", CASE, "--out", tmp_path / "out", *flags), tmp_path / "out", *fragments)
+
+
+def test_a_case_without_megatron_runs_is_one_line(tmp_path):
+    proc = run_cli("verify", ROOT / "cases" / "smoke.yaml", "--out", tmp_path / "out", "--megatron-base", "installed")
+    _check_usage_error(proc, tmp_path / "out", "no megatron-core run")
+
+
+def test_a_base_that_cannot_be_imported_is_one_line(tmp_path):
+    base = planted_megatron(tmp_path / "base", {"megatron/core/__init__.py": [
+        ("from megatron.core.package_info import", "raise ImportError('planted')\nfrom megatron.core.package_info import")]})
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--megatron-base", base)
+    _check_usage_error(proc, tmp_path / "out", f"--megatron-base {base}", "cannot be imported", "planted")
+
+
+def test_a_layout_the_base_rejects_is_named_before_anything_runs(tmp_path):
+    """megatron's own validator runs for the base too, in a process that imports the base (PR #2136 adds
+    layouts its target branch rejects)."""
+    base = planted_megatron(tmp_path / "base", {"megatron/core/transformer/transformer_config.py": [
+        ("    def __post_init__(self):\n        super().__post_init__()\n",
+         "    def __post_init__(self):\n        super().__post_init__()\n"
+         "        if self.mtp_num_layers:\n            raise ValueError('planted: no MTP here')\n")]})
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--megatron-base", base)
+    _check_usage_error(proc, tmp_path / "out", "--megatron-base", f"run {BASELINE!r}", "planted: no MTP here")
