@@ -20,8 +20,6 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from megatron_trainer.source import SourceError, activate, installed_root, megatron_source
-
 from . import trainers
 from .cases import CasePlan, PlannedRun
 from .errors import UsageError
@@ -39,7 +37,7 @@ def resolve(flag: str, spelled: str) -> dict:
     if not spelled.strip():
         raise UsageError(f"{flag}: empty path")
     if spelled == "installed":
-        path = installed_root()
+        path = trainers.installed_root()
         if path is None:
             raise UsageError(f"{flag} installed: megatron-core is not installed in this Python "
                              "(`pip install -e '.[megatron]'`)")
@@ -48,7 +46,7 @@ def resolve(flag: str, spelled: str) -> dict:
         if not p.is_dir():
             raise UsageError(f"{flag} {spelled}: {'no such directory' if not p.exists() else 'not a directory'}")
         path = str(p.resolve())
-    src = megatron_source(path)
+    src = trainers.megatron_source(path)
     if src is None:
         raise UsageError(f"{flag} {spelled}: not a Megatron-LM checkout nor a megatron-core install "
                          "(no megatron/core/ in it)")
@@ -61,8 +59,8 @@ def use_head(head: dict) -> None:
     Raises:
         UsageError: megatron is already imported from elsewhere."""
     try:
-        activate(head["path"])
-    except SourceError as e:
+        trainers.activate(head["path"])
+    except trainers.SourceError as e:
         raise UsageError(f"--megatron-head {head['spelled']}: {e}") from None
 
 
@@ -77,7 +75,8 @@ def with_sources(plan: CasePlan, head: Optional[dict], base: Optional[dict]) -> 
             rejects the layout, it cannot be imported)."""
     if head is None and base is None:
         return plan
-    head = head or {"spelled": None, **(megatron_source() or {"path": None, "version": "none", "commit": None})}
+    if head is None:        # the interpreter's own megatron (checked installed by load_case's trainers.problem)
+        head = {"spelled": None, **(trainers.megatron_source() or {"path": None, "version": None, "commit": None})}
     flags = (["--megatron-base", base["spelled"]] if base else []) + (
         ["--megatron-head", head["spelled"]] if head["spelled"] else [])
     head_path = head["path"] if head["spelled"] else None

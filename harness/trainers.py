@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_trainer.source import megatron_source
+from megatron_trainer.source import SourceError, activate, installed_root, megatron_source  # noqa: F401  (harness.sources)
 
 from trainerkit.config import RunConfig
 

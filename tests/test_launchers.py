@@ -36,3 +36,21 @@ def test_torchrun_matches_fork(tmp_path):
         assert _steps(tmp_path / "fork", v) == _steps(tmp_path / "torchrun", v), v
     summary = json.loads((tmp_path / "torchrun" / "smoke" / "summary.json").read_text())
     assert summary["environment"]["launcher"] == "torchrun"
+
+
+def test_the_forkserver_preloads_megatron_only_for_one_source_on_cpu(monkeypatch):
+    """One megatron for every run: imported once in the forkserver; two (verify --megatron-base) or CUDA: each
+    rank imports its own (a preloaded megatron would be the wrong one, `megatron_trainer.source.activate`)."""
+    from harness import runner
+    from harness.cases import load_case
+    seen = []
+    monkeypatch.setattr(runner._CTX, "set_forkserver_preload", seen.append)
+    config = load_case(ROOT / "cases" / "smoke.yaml").runs[0].config
+    mc = config.model_copy(update={"trainer": "megatron-core"})
+    for configs, megatron in (([config], False), ([config, mc], True),
+                              ([mc, mc.model_copy(update={"megatron_path": "/a"})], False),
+                              ([mc.model_copy(update={"megatron_path": "/a"})] * 2, True),
+                              ([mc.model_copy(update={"device": "cuda"})], False)):
+        runner.preload(configs)
+        assert ("megatron_trainer.preload" in seen[-1]) == megatron, (configs, seen[-1])
+        assert seen[-1][0] == "reference_impl.worker"

@@ -132,7 +132,7 @@ def test_summary_dict_schema_and_values(result):
     s = report.summary_dict(result)
     assert {"case", "baseline", "elapsed_s", "variants"} <= set(s)
     assert set(s) <= {"case", "baseline", "elapsed_s", "variants", "all_pass", "cross_implementation", "golden",
-                      "environment"}
+                      "megatron_sources", "environment"}
     assert s["case"] == "dsv3_small"
     assert s["baseline"] == "baseline"
     assert s["elapsed_s"] == 66.75
