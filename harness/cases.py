@@ -21,6 +21,8 @@ starts from another case and deep-merges this file's mappings over it)::
         pipeline_model_parallel_size: 16
         expert_model_parallel_size: 2  # EP (default 1): routed experts over 2 ranks per pipeline rank, world P x EP;
                                      # num_moe_experts and seq_length*micro_batch_size must be divisible by it
+        data_parallel_size: 2          # DP (megatron-core; default 1): world P x DP, DP rank d trains global
+                                     # microbatch m*DP+d; Megatron's EP is carved out of DP (EP divides DP)
         options: {clip_grad: 0.05}   # overrides of `training` for this variant
         compare_to: other-variant    # reference run (default: the baseline)
         repeat: 2                    # also run it again and require the runs bitwise equal (a control)
@@ -123,6 +125,7 @@ class VariantSpec(_Strict):
     pipeline_model_parallel_layout: str
     pipeline_model_parallel_size: int = Field(ge=1, le=1024)
     expert_model_parallel_size: int = Field(1, ge=1, le=64)
+    data_parallel_size: int = Field(1, ge=1, le=64)     # megatron-core only: world P x DP, EP divides DP
     overlap_moe_expert_parallel_comm: bool = False    # Megatron's 1F1B overlap schedule
     delay_wgrad_compute: bool = False
     options: dict = Field(default_factory=dict)
@@ -390,7 +393,7 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
             raise UsageError(f"{where}: options.{e}") from None
         except OSError as e:
             raise UsageError(f"{where}: options.data.path {training.data.path}: {bounds.os_reason(e)}") from None
-    P, EP = v.pipeline_model_parallel_size, v.expert_model_parallel_size
+    P, EP = v.pipeline_model_parallel_size, max(v.expert_model_parallel_size, v.data_parallel_size)
     bounds.check_run_size(where, P, EP)
     try:
         layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, P,
@@ -408,6 +411,7 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     parallel = ParallelConfig(pipeline_model_parallel_layout=v.pipeline_model_parallel_layout,
                               pipeline_model_parallel_size=v.pipeline_model_parallel_size,
                               expert_model_parallel_size=v.expert_model_parallel_size,
+                              data_parallel_size=v.data_parallel_size,
                               overlap_moe_expert_parallel_comm=v.overlap_moe_expert_parallel_comm,
                               delay_wgrad_compute=v.delay_wgrad_compute)
     try:

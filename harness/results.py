@@ -103,7 +103,11 @@ class VariantResult:
     # this run's own replicas vs their originals (`harness.compare.replica_status`):
     # {"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}; {} on error
     replica_status: dict = field(default_factory=dict)
-    expert_model_parallel_size: int = 1           # EP (the run has pp x EP ranks)
+    expert_model_parallel_size: int = 1           # EP
+    data_parallel_size: int = 1                   # DP (megatron-core; the run has pp x max(DP, EP) ranks)
+    # megatron's MoE 1F1B overlap as it ran (`harness.trace.overlap_coverage`): {"merged": {rank: [per step]},
+    # "backward_dw": {...}, "warning": str | None}; {} without the overlap
+    overlap_coverage: dict = field(default_factory=dict)
     overlap: bool = False                         # overlap_moe_expert_parallel_comm (Megatron's 1F1B overlap)
     delay_wgrad: bool = False                     # delay_wgrad_compute
     outcome: Outcome | Literal[""] = ""           # what happened, in words (`harness.verify.judge`); "" unjudged

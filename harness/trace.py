@@ -47,6 +47,9 @@ class StepTrace:
     # measured compute actions per pp rank (EP rank 0's): {"<pp rank>": [{op, stage, microbatch, start_s, end_s}]};
     # {} when the trainer records none (megatron-core; CUDA)
     actions: dict = field(default_factory=dict)
+    # megatron's MoE 1F1B overlap, per global rank: {"<rank>": {merged, forward_only, backward_only,
+    # backward_dw}} (megatron_trainer/coverage.py); {} when the run has no overlap
+    overlap: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -59,7 +62,8 @@ class Trace:
     init: dict                                       # key -> fingerprint of the initial value
     steps: list                                      # [StepTrace]
     world_size: int
-    expert_model_parallel_size: int = 1              # EP; world_size = P x EP
+    expert_model_parallel_size: int = 1              # EP
+    data_parallel_size: int = 1                      # DP (megatron-core); world_size = P x max(DP, EP)
 
     def save(self, path: Path) -> None:
         """Write as JSON (``trace.json``)."""
@@ -121,17 +125,26 @@ def merge(run_dir: Path, world_size: int) -> Trace:
     fails naming the rank (they never overwrite EP rank 0's records silently).  ``router_ties`` (optional) is
     merged by router name like the buffers: each router lives on one pipeline rank.
 
+    Data parallelism (megatron-core, world = P x DP, global rank = pp_rank * DP + dp_rank): DP rank d trains
+    its own microbatches, so the loss rank of each DP rank adds its ``losses`` (keyed by global microbatch
+    ``m * DP + d``; the merged list is in global microbatch order, the step's ``lm_loss`` is DP rank 0's); its
+    dense parameters are ``@dp{d}`` replicas (routed experts ``@edp{k}`` on expert-data-parallel rank k), and
+    its buffers, grad norm and clip coefficient must equal DP rank 0's like an EP replica's.
+
     Raises:
-        TraceError: a rank trace is missing or truncated, two ranks hold the same key, an EP replica's
-            records differ from EP rank 0's, or the ranks disagree on the number of steps.
+        TraceError: a rank trace is missing or truncated, two ranks hold the same key, an EP or DP replica's
+            records differ from EP / DP rank 0's, or the ranks disagree on the number of steps.
     """
     params, owner, init, steps = {}, {}, {}, {}
-    ep_size = 1
+    ep_size = dp_size = 1
     for rank in range(world_size):
         records = _read(run_dir / f"rank{rank}.jsonl")
         header = records[0]
         ep_size = header.get("expert_model_parallel_size", 1)
-        replica = header.get("ep_rank", 0) > 0          # EP rank 0 of this pipeline rank merged before it
+        dp_size = header.get("data_parallel_size", 1)
+        own_data = header.get("dp_rank", 0) > 0         # other microbatches than DP rank 0's
+        # EP / DP rank 0 of this pipeline rank merged before it
+        replica = own_data or header.get("ep_rank", 0) > 0
         for meta in header["params"]:
             key = meta["key"]
             if key in params:
@@ -151,7 +164,9 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                     mine, first = rec.get(part, {}), getattr(st, part)
                     for k, v in mine.items():
                         _same(rank, header, step, f"{what} {k}", v, first.get(k))
-                if "losses" in rec:
+                if "losses" in rec and own_data:
+                    st.losses = st.losses + rec["losses"]
+                elif "losses" in rec:
                     _same(rank, header, step, "losses", (rec["losses"], rec["lm_loss"]), (st.losses, st.lm_loss))
                 _same(rank, header, step, "grad norm", (rec["grad_norm"], rec["clip_coeff"]),
                       (st.grad_norm, st.clip_coeff))
@@ -165,16 +180,20 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                 st.router_ties.update(rec.get("router_ties", {}))
                 if rec.get("actions"):
                     st.actions[str(header.get("pp_rank", rank))] = rec["actions"]
+            if rec.get("overlap") is not None:
+                st.overlap[str(rank)] = rec["overlap"]
             st.time_s[str(rank)] = rec["time_s"]
     counts = {len(st.time_s) for st in steps.values()}
     if counts and counts != {world_size}:
         raise TraceError(f"ranks disagree on the number of steps in {run_dir}")
     order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
     for st in steps.values():       # canonical router order (by the router weight's key), whatever the layout
+        st.losses = sorted(st.losses, key=lambda x: x.get("microbatch", 0))
         st.router_ties = dict(sorted(st.router_ties.items(), key=lambda kv: _router_order(kv[0])))
         _align_actions(st.actions)
     return Trace(format=FORMAT, params=params, order=order, init=init,
-                 steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size)
+                 steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size,
+                 data_parallel_size=dp_size)
 
 
 def check_losses(trace: Trace, num_microbatches: int, mtp_num_layers: int) -> None:
@@ -212,3 +231,21 @@ def first_nonfinite(trace: Trace) -> Optional[str]:
         if st.grad_norm is not None and not math.isfinite(st.grad_norm["value"]):
             return f"step {st.step}: grad norm is {st.grad_norm['value']}"
     return None
+
+
+def overlap_coverage(trace: Trace, overlap: bool) -> dict:
+    """What megatron's MoE 1F1B overlap ran (``overlap`` records): ``{"merged": {rank: [per step]},
+    "backward_dw": {rank: [per step]}, "warning": str | None}``; the warning names the first rank and step that
+    merged no forward+backward step although the run asks for the overlap (that rank tested nothing of it).
+    ``{}`` when the run has no overlap records."""
+    ranks = sorted({r for st in trace.steps for r in st.overlap}, key=int)
+    if not ranks:
+        return {"merged": {}, "backward_dw": {}, "warning": "the run asks for the overlap but recorded none"} \
+            if overlap else {}
+    cov = {k: {r: [st.overlap.get(r, {}).get(k, 0) for st in trace.steps] for r in ranks}
+           for k in ("merged", "backward_dw")}
+    idle = next(((r, st.step) for st in trace.steps for r in ranks if st.overlap.get(r, {}).get("merged", 0) == 0),
+                None)
+    cov["warning"] = (f"rank {idle[0]} merged no forward+backward step at step {idle[1]} (it ran the overlap "
+                      "schedule's actions one at a time): more microbatches make every rank merge") if idle else None
+    return cov

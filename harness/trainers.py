@@ -52,14 +52,16 @@ def versions(config: RunConfig) -> dict:
 def problem(config: RunConfig) -> Optional[str]:
     """Why `config` cannot run on its trainer, in one line (None when it can).
 
-    reference: its planted fault (`config.inject`) must be one of `reference_impl.faults`.  megatron-core: the extra must be installed (and, on CPU, be a version the compat layer was checked
-    against); reductions ``megatron`` only (``canonical`` is the reference's layout-invariant mode); EP = 1 (in
-    megatron the EP ranks are carved out of data parallelism, so EP > 1 changes the global batch; bitparity's
-    megatron trainer runs TP = CP = DP = 1); no activation capture, checkpoints or resume (the
+    reference: DP = 1; its planted fault (`config.inject`) must be one of `reference_impl.faults`.  megatron-core: the extra must be installed (and, on CPU, be a version the compat layer was checked
+    against); reductions ``megatron`` only (``canonical`` is the reference's layout-invariant mode); EP divides DP (in
+    megatron the EP ranks are carved out of data parallelism; TP = CP = 1); no activation capture, checkpoints or resume (the
     reference's probes); planted faults from `megatron_trainer.faults` only; on CUDA one GPU per rank (ranks
     cannot share a GPU over NCCL); then megatron's own config validator.
     """
     if config.trainer == "reference":
+        if config.parallel.data_parallel_size > 1:
+            return ("data_parallel_size > 1 is the megatron-core trainer's (trainer: megatron-core); the reference "
+                    "trainer's EP ranks share their microbatches (expert_model_parallel_size alone)")
         from reference_impl import faults
         try:
             faults.check(config.inject)
@@ -88,9 +90,10 @@ def problem(config: RunConfig) -> Optional[str]:
                 "for CUDA tensor types); use float32 on CPU (`--params-dtype float32`), bfloat16 on CUDA")
     if t.reductions != "megatron":
         return "trainer megatron-core: reductions: canonical is the reference trainer's mode; megatron-core runs its own"
-    if par.expert_model_parallel_size > 1:
-        return ("trainer megatron-core: expert_model_parallel_size > 1 is not run: megatron carves EP out of data "
-                "parallelism (EP ranks see different microbatches), and bitparity's megatron trainer runs DP = 1")
+    if par.data_parallel_size % par.expert_model_parallel_size:
+        return (f"trainer megatron-core: expert_model_parallel_size {par.expert_model_parallel_size} needs a "
+                f"data_parallel_size that it divides (have {par.data_parallel_size}): megatron carves EP out of "
+                "data parallelism")
     if config.capture == "activations":
         return "trainer megatron-core: capture: activations needs the reference trainer's probes"
     for key in ("checkpoint", "resume_from"):

@@ -32,7 +32,7 @@ from .report.words import megatron_source_words
 from .results import CaseResult, StepSeries, VariantResult
 from .runner import RunOutcome, run_ranks
 from .runner import preload as runner_preload
-from .trace import Trace, TraceError, check_losses, first_nonfinite, merge
+from .trace import Trace, TraceError, check_losses, first_nonfinite, merge, overlap_coverage
 
 
 def _transport_facts(run_dir: Path) -> dict:
@@ -254,17 +254,19 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     for i, run in enumerate(order, start=1):
         name = run.spec.name
         run = dataclasses.replace(run, config=plan_configs[name])
-        ep = run.config.parallel.expert_model_parallel_size
+        ep, dp = run.config.parallel.expert_model_parallel_size, run.config.parallel.data_parallel_size
         who = "" if run.config.trainer == "reference" else f" [{run.config.trainer}]"
         progress(f"[{i}/{len(plan.runs)}] {name}{who}: P={run.layout.pipeline_model_parallel_size} "
-                 f"V={run.layout.virtual_pipeline_model_parallel_size}{f' EP={ep}' if ep > 1 else ''} "
+                 f"V={run.layout.virtual_pipeline_model_parallel_size}{f' DP={dp}' if dp > 1 else ''}"
+                 f"{f' EP={ep}' if ep > 1 else ''} "
                  f"{run.layout.text} ...")
         outcome = run_ranks(run.config, work / dirs[name], timeout, launcher)
         trace = None
         if outcome.ok:
             try:
                 trace = merge(work / dirs[name], run.config.parallel.world_size)
-                check_losses(trace, run.config.training.num_microbatches, run.config.model.mtp_num_layers)
+                check_losses(trace, run.config.training.num_microbatches * run.config.parallel.data_parallel_size,
+                             run.config.model.mtp_num_layers)
                 trace.save(work / dirs[name] / "trace.json")
             except TraceError as e:
                 outcome = RunOutcome(False, f"trace error: {e}", outcome.elapsed_s)
@@ -300,6 +302,10 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
                 reason += f"; training not finite: {nonfinite}"
             else:
                 verdict, happened, reason = "fail", "not finite", f"training not finite: {nonfinite}"
+        coverage = overlap_coverage(trace, run.config.parallel.overlap_moe_expert_parallel_comm) \
+            if trace is not None and run.config.trainer == "megatron-core" else {}
+        if coverage.get("warning"):
+            reason += f"; overlap coverage: {coverage['warning']}"
         fd = cmp.first_divergence if cmp else None
         where = localise(ref, trace, fd.step) if fd is not None and fd.kind != "inventory" else None
         if where:
@@ -315,6 +321,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         variants.append(VariantResult(
             name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
             expert_model_parallel_size=run.config.parallel.expert_model_parallel_size,
+            data_parallel_size=run.config.parallel.data_parallel_size, overlap_coverage=coverage,
             overlap=run.config.parallel.overlap_moe_expert_parallel_comm,
             delay_wgrad=run.config.parallel.delay_wgrad_compute,
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,

@@ -40,7 +40,11 @@ def transformer_config(cfg: RunConfig):
     bf16 = cfg.params_dtype == "bfloat16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     virtual = _virtual_size(cfg)
-    return MLATransformerConfig(
+    # megatron asserts bf16 or fp16 for the MoE 1F1B overlap (TransformerConfig.__post_init__); bitparity also
+    # runs it in fp32 on CPU (as the reference trainer does): the config is validated as bf16, then set to fp32.
+    # Nothing else in __post_init__ reads bf16 unless disable_bf16_reduced_precision_matmul is set (it is not).
+    relax = par.overlap_moe_expert_parallel_comm and not bf16
+    config = MLATransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.v_head_dim,
         q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
@@ -61,16 +65,19 @@ def transformer_config(cfg: RunConfig):
         mtp_loss_scaling_factor=faults.mtp_loss_scaling_factor(cfg.inject, m.mtp_loss_scaling_factor)
         if m.mtp_num_layers else None,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual, expert_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=virtual, expert_model_parallel_size=par.expert_model_parallel_size,
         pipeline_model_parallel_layout=par.pipeline_model_parallel_layout,
         overlap_p2p_comm=virtual is not None, batch_p2p_comm=False,
         overlap_moe_expert_parallel_comm=par.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=par.delay_wgrad_compute,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16, use_cpu_initialization=True,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16 or relax, use_cpu_initialization=True,
         perform_initialization=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, cross_entropy_loss_fusion=False, deterministic_mode=True,
     )
+    if relax:
+        config.bf16 = False
+    return config
 
 
 def _virtual_size(cfg: RunConfig):
@@ -162,13 +169,16 @@ def _global_name(local: str, layers: dict[str, int], experts_per_rank: int, ep_r
     return _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.{ep_rank * experts_per_rank + int(e.group(1))}.", name)
 
 
-def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int) -> list[GlobalParam]:
+def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int, dp_rank: int = 0,
+                      expert_dp_rank: int = 0) -> list[GlobalParam]:
     """Every parameter of `chunks` (this rank's) under its global name (`trainerkit.names`).
 
     Megatron names a chunk's decoder layers by local index; the global layer id is the module's
     ``layer_number - 1``.  Routed experts (``SequentialMLP``: ``mlp.experts.local_experts.{i}``) become
     ``mlp.experts.{ep_rank * experts_per_rank + i}``.  A word embedding in a chunk without pre-process is the
     MTP stage's replica.  The MTP inner layer is ``mtp.layers.{k}.transformer_layer`` on every megatron version.
+    Data parallelism: on DP rank d > 0 every dense parameter is a replica ``@dp{d}``; on expert-data-parallel
+    rank k > 0 (DP > EP) every routed expert is a replica ``@edp{k}`` (`trainerkit.names.ep_replica`).
 
     Raises:
         ValueError: a parameter whose name the mapping does not know (megatron-core changed its naming).
@@ -180,6 +190,8 @@ def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int) -> list
             name = _global_name(local, layers, experts_per_rank, ep_rank)
             replica = "mtp" if name == names.EMBEDDING and not model.pre_process else None
             names.family(name)              # raises ValueError for a name the harness cannot place
+            replica = (names.ep_replica(replica, expert_dp_rank, "edp") if names.expert_id(name) is not None
+                       else names.ep_replica(replica, dp_rank, "dp"))
             out.append(GlobalParam(name, replica, p, c))
     return out
 

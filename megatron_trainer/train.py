@@ -32,6 +32,7 @@ from trainerkit.capture import FORMAT, TraceWriter, dump_tensors, scalar
 from trainerkit.fingerprint import fingerprint_hex_many
 
 from . import compat, faults
+from .coverage import OverlapCounter
 from .model import build_chunks, embedding_ranks, expert_biases, global_parameters, transformer_config
 
 
@@ -52,13 +53,14 @@ class LossRecorder:
         self.lm.append((loss.detach().clone(), num_tokens))
         return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
-    def take(self, mtp_num_layers: int) -> tuple[list, dict]:
-        """The step's ``losses`` records and reported ``lm_loss`` (sum of loss sums / sum of token counts, left
-        to right, as the reference trainer reports it); clears the recorder."""
+    def take(self, mtp_num_layers: int, dp_size: int = 1, dp_rank: int = 0) -> tuple[list, dict]:
+        """The step's ``losses`` records, keyed by global microbatch (``m * dp_size + dp_rank``), and reported
+        ``lm_loss`` (sum of loss sums / sum of token counts over this DP rank's microbatches, left to right, as the
+        reference trainer reports it); clears the recorder."""
         out, loss_sum, tokens = [], None, None
         for m, (s, n) in enumerate(self.lm):
             mtp = self.mtp[m * mtp_num_layers:(m + 1) * mtp_num_layers]
-            out.append({"microbatch": m, "lm": scalar(s / n.clamp(min=1)), "num_tokens": int(n.item()),
+            out.append({"microbatch": m * dp_size + dp_rank, "lm": scalar(s / n.clamp(min=1)), "num_tokens": int(n.item()),
                         "mtp": [scalar(x) for x in mtp]})
             loss_sum, tokens = (s, n) if loss_sum is None else (loss_sum + s, tokens + n)
         reported = scalar(loss_sum / tokens.clamp(min=1)) if out else None
@@ -92,18 +94,25 @@ def _record_mtp_losses(recorder: LossRecorder) -> None:
     setattr(MTPLossLoggingHelper, name, staticmethod(save))
 
 
-def _batches(data: TokenDataset, step: int, num_microbatches: int, device):
-    """Iterator over the step's microbatches as megatron's forward step takes them."""
+def _batches(data: TokenDataset, step: int, num_microbatches: int, device, dp_size: int = 1, dp_rank: int = 0):
+    """Iterator over this DP rank's microbatches of the step as megatron's forward step takes them: global
+    microbatch ``m * dp_size + dp_rank`` for m < num_microbatches (Megatron-LM's data loader hands each DP rank
+    its own slice of the global batch)."""
     for m in range(num_microbatches):
-        tokens, labels, mask = (x.to(device) for x in data.microbatch(step, m))
+        tokens, labels, mask = (x.to(device) for x in data.microbatch(step, m * dp_size + dp_rank))
         positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
         yield tokens, labels, mask, positions
 
 
-def _forward_step(recorder: LossRecorder, data_iterator, model):
+def _forward_step(recorder: LossRecorder, data_iterator, model, return_schedule_plan: bool = False):
     """Megatron's forward step: every chunk gets the batch (first stage: tokens; MTP stage: tokens and positions
-    for its embedding; loss stage: labels and mask); megatron feeds hidden states between stages itself."""
+    for its embedding; loss stage: labels and mask); megatron feeds hidden states between stages itself.  Under
+    the MoE 1F1B overlap megatron asks for the chunk's schedule plan instead of its output
+    (``return_schedule_plan``; Megatron-LM pretrain_gpt.forward_step: ``model.build_schedule_plan``)."""
     tokens, labels, mask, positions = next(data_iterator)
+    if return_schedule_plan:
+        return (model.build_schedule_plan(tokens, positions, None, labels=labels, loss_mask=mask),
+                partial(recorder.loss_func, mask))
     output = model(tokens, positions, None, labels=labels, loss_mask=mask)
     return output, partial(recorder.loss_func, mask)
 
@@ -138,18 +147,24 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    t, m = cfg.training, cfg.model
+    t, m, par = cfg.training, cfg.model, cfg.parallel
     config = transformer_config(cfg)
-    ps.initialize_model_parallel(1, cfg.parallel.pipeline_model_parallel_size,
+    ps.initialize_model_parallel(1, par.pipeline_model_parallel_size,
                                  virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+                                 expert_model_parallel_size=par.expert_model_parallel_size,
                                  get_embedding_ranks=faults.embedding_ranks(cfg.inject, embedding_ranks(config)))
+    if ps.get_data_parallel_world_size() != par.data_parallel_size:
+        raise RuntimeError(f"megatron made data_parallel_size {ps.get_data_parallel_world_size()}, the run asks for "
+                           f"{par.data_parallel_size}")
     if device.type == "cuda":
         # megatron's CUDA RNG tracker must know its states before any forward forks them (dropout is 0, so no
         # bit depends on them); on CPU the compat layer makes the tracker inert
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(t.seed)
     chunks = [c.to(device) for c in build_chunks(cfg, config)]
-    params = global_parameters(chunks, m.num_moe_experts, 0)
+    params = global_parameters(chunks, m.num_moe_experts // par.expert_model_parallel_size,
+                               ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank(),
+                               ps.get_expert_data_parallel_rank())
     with torch.no_grad():
         # replicas take their logical name's values: the MTP stage's embedding starts equal to the first stage's
         init_parameters(((gp.name, gp.param) for gp in params), m, t.seed)
@@ -183,9 +198,13 @@ def header(cfg: RunConfig, rank: int, device: torch.device, r: MegatronRank, set
     """The trace header record (TRACE_FORMAT.md) of pipeline rank `rank`."""
     import megatron.core
 
+    from megatron.core import parallel_state as ps
     return {"type": "header", "format": FORMAT, "rank": rank, "world_size": dist.get_world_size(),
-            "pp_rank": rank, "ep_rank": 0, "expert_model_parallel_size": 1,
-            "stages": [vp * cfg.parallel.pipeline_model_parallel_size + rank for vp in range(len(r.chunks))],
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank(),
+            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+            "dp_rank": ps.get_data_parallel_rank(), "data_parallel_size": ps.get_data_parallel_world_size(),
+            "stages": [vp * cfg.parallel.pipeline_model_parallel_size + ps.get_pipeline_model_parallel_rank()
+                       for vp in range(len(r.chunks))],
             "params": [{"key": k, "name": gp.name, "replica": gp.replica, "shape": list(gp.param.shape),
                         "dtype": str(gp.param.dtype).replace("torch.", ""), "family": names.family(gp.name),
                         "weight_decay": r.decay[id(gp.param)], "order": list(names.order_key(gp.name))}
@@ -212,9 +231,14 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
     r = build(cfg, device)
     recorder = LossRecorder()
     _record_mtp_losses(recorder)
+    overlap = cfg.parallel.overlap_moe_expert_parallel_comm
+    counter = OverlapCounter()
+    if overlap:
+        counter.install()
     forward_backward = get_forward_backward_func()
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, m.vocab_size)
     buffers = expert_biases(r.chunks)
+    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     writer = TraceWriter(trace_path)
     writer.write(header(cfg, rank, device, r, time.perf_counter() - started))
     writer.write({"type": "init", "params": _fingerprints(cfg, r.values(), r.keys)})
@@ -223,7 +247,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
         for chunk in r.model:
             chunk.zero_grad_buffer()
         r.optimizer.zero_grad()
-        iterators = [_batches(data, step, t.num_microbatches, device) for _ in r.chunks]
+        iterators = [_batches(data, step, t.num_microbatches, device, dp_size, dp_rank) for _ in r.chunks]
         forward_backward(forward_step_func=partial(_forward_step, recorder),
                          data_iterator=iterators if len(iterators) > 1 else iterators[0], model=r.model,
                          num_microbatches=t.num_microbatches, seq_length=t.seq_length,
@@ -249,7 +273,9 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         record["buffers"] = dict(zip(buffers, fingerprint_hex_many(list(buffers.values())))) if buffers else {}
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            record["losses"], record["lm_loss"] = recorder.take(m.mtp_num_layers)
+            record["losses"], record["lm_loss"] = recorder.take(m.mtp_num_layers, dp_size, dp_rank)
+        if overlap:
+            record["overlap"] = counter.take()
         record["time_s"] = time.perf_counter() - start
         writer.write(record)
     writer.write({"type": "end"})

@@ -191,6 +191,10 @@ class ParallelConfig(_Strict):
     # experts with all-to-all.  Unlike Megatron, the EP ranks of a pipeline rank see the same microbatches
     # (no data parallelism), so EP=1 and EP>1 must agree bit for bit.
     expert_model_parallel_size: int = Field(1, ge=1, le=64)
+    # DP (megatron-core trainer only): data-parallel replicas per pipeline rank, world = P x DP, global rank =
+    # pp_rank * DP + dp_rank (Megatron's order at TP = CP = 1); DP rank d trains global microbatch m * DP + d
+    # of each step.  Megatron carves EP out of DP: EP divides DP, EP rank = dp_rank % EP.
+    data_parallel_size: int = Field(1, ge=1, le=64)
     # Megatron's 1F1B overlap: forward of one microbatch and backward of another run merged, node by node
     # (model/plan.py); delay_wgrad_compute: weight gradients of attention / experts / eh_proj run after the
     # input gradients of their node (model/linear.py)
@@ -199,8 +203,10 @@ class ParallelConfig(_Strict):
 
     @property
     def world_size(self) -> int:
-        """Processes of one run: P x EP (global rank = pp_rank * EP + ep_rank, Megatron's order with TP=CP=1)."""
-        return self.pipeline_model_parallel_size * self.expert_model_parallel_size
+        """Processes of one run: P x DP on the megatron-core trainer (EP divides DP), P x EP on the reference
+        trainer (DP = 1, its EP ranks share their microbatches); global rank = pp_rank * (DP or EP) + (dp_rank or
+        ep_rank), Megatron's order with TP = CP = 1."""
+        return self.pipeline_model_parallel_size * max(self.data_parallel_size, self.expert_model_parallel_size)
 
 
 def check_expert_parallel(model: ModelConfig, training: TrainingConfig, parallel: ParallelConfig) -> None:
@@ -209,10 +215,15 @@ def check_expert_parallel(model: ModelConfig, training: TrainingConfig, parallel
     Raises:
         ValueError: one line naming the violated rule.
     """
-    ep = parallel.expert_model_parallel_size
+    ep, dp = parallel.expert_model_parallel_size, parallel.data_parallel_size
     if model.num_moe_experts % ep:
         raise ValueError(f"num_moe_experts={model.num_moe_experts} is not divisible by "
                          f"expert_model_parallel_size={ep} (each EP rank owns num_moe_experts/EP experts)")
+    if dp > 1:          # Megatron's EP: carved out of DP, each rank dispatches its own microbatch's tokens
+        if dp % ep:
+            raise ValueError(f"data_parallel_size={dp} is not divisible by expert_model_parallel_size={ep} "
+                             "(Megatron carves the EP groups out of data parallelism)")
+        return
     tokens = training.seq_length * training.micro_batch_size
     if tokens % ep:
         raise ValueError(f"seq_length*micro_batch_size={tokens} is not divisible by expert_model_parallel_size={ep} "

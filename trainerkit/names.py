@@ -50,7 +50,7 @@ def section_and_layer(name: str) -> tuple[int, int]:
 
 
 _EXPERT_ID = re.compile(r"\.mlp\.experts\.(\d+)\.")
-_EP_TAG = re.compile(r"^(?:(.+)\.)?ep(\d+)$")
+_EP_TAG = re.compile(r"^(?:(.+)\.)?(?:ep|dp|edp)(\d+)$")
 
 
 def expert_id(name: str) -> int | None:
@@ -59,18 +59,21 @@ def expert_id(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def ep_replica(replica: str | None, ep_rank: int) -> str | None:
+def ep_replica(replica: str | None, ep_rank: int, tag: str = "ep") -> str | None:
     """Replica tag of a parameter replicated over the EP ranks (everything but the routed experts): EP rank 0
     holds the original (`replica` unchanged), EP rank r > 0 a copy tagged ``ep{r}`` (``mtp.ep{r}`` for the MTP
     stage's embedding replica), so its key ``name@ep{r}`` does not collide and the harness checks that the
-    copies stay identical (``replica_status``)."""
+    copies stay identical (``replica_status``).  `tag` names the group the copies span: ``ep`` (the reference
+    trainer's EP ranks), ``dp`` (Megatron's data-parallel replicas of a dense parameter) or ``edp`` (Megatron's
+    expert-data-parallel replicas of a routed expert)."""
     if ep_rank == 0:
         return replica
-    return f"ep{ep_rank}" if replica is None else f"{replica}.ep{ep_rank}"
+    return f"{tag}{ep_rank}" if replica is None else f"{replica}.{tag}{ep_rank}"
 
 
 def base_replica(replica: str | None) -> str | None:
-    """The replica tag without its EP part: ``ep1`` -> None, ``mtp.ep1`` -> ``mtp``, ``mtp`` -> ``mtp``."""
+    """The replica tag without its EP / DP part: ``ep1`` -> None, ``mtp.ep1`` -> ``mtp``, ``mtp.dp1`` -> ``mtp``,
+    ``mtp`` -> ``mtp``."""
     m = _EP_TAG.match(replica or "")
     return replica if m is None else m.group(1)
 

@@ -170,6 +170,20 @@ def heatmap(v: VariantResult, charts: bool = True) -> Optional[dict]:
             "totals": [(t["kind"], t["total"]) for t in tables], "n_steps": max(len(t["steps"]) for t in tables)}
 
 
+def overlap_words(cov: Any) -> Optional[dict]:
+    """The MoE 1F1B overlap's coverage (`harness.trace.overlap_coverage`) in words: merged forward+backward
+    steps and delayed weight-gradient calls per rank at step 0, and the warning; None without the overlap."""
+    if not isinstance(cov, dict) or not cov.get("merged"):
+        return None if not isinstance(cov, dict) or not cov.get("warning") else \
+            {"words": clean_text(cov["warning"]), "warning": True}
+    merged = ", ".join(f"{clean_text(r)}: {clean_text(c[0] if c else 0)}" for r, c in cov["merged"].items())
+    dw = ", ".join(f"{clean_text(r)}: {clean_text(c[0] if c else 0)}" for r, c in (cov.get("backward_dw") or {}).items())
+    words = f"merged forward+backward steps per rank at step 0 — {merged}; backward_dw calls — {dw}"
+    if cov.get("warning"):
+        words += f"; warning: {clean_text(cov['warning'])}"
+    return {"words": words, "warning": bool(cov.get("warning"))}
+
+
 def timeline(v: VariantResult, charts: bool = True) -> Optional[dict]:
     """Caption numbers (and with `charts` the SVG) of a variant's schedule timeline; None without cells."""
     cells = timeline_cells(v)
@@ -208,4 +222,5 @@ def card(v: VariantResult, i: int, anchors: dict[int, str], result: Any, report_
         "timeline": timeline(v, charts),
         "detail_page": detail_page(v), "trace_file": trace_file(v) if timeline_cells(v) else None,
         "measured": bool(measured_events(trace)),
+        "overlap": overlap_words(getattr(v, "overlap_coverage", None)),
     }

@@ -41,6 +41,8 @@ def _variant(v: VariantResult, baseline: str) -> dict:
         "pp": int(v.pp),
         "vpp": int(v.vpp),
         "ep": int(v.expert_model_parallel_size),
+        "dp": int(getattr(v, "data_parallel_size", 1) or 1),
+        "overlap_coverage": json_safe(dict(v.overlap_coverage)) if isinstance(getattr(v, "overlap_coverage", None), dict) else {},
         "schedule": v.schedule,
         "mtp_standalone": bool(v.mtp_standalone),
         "expect": str(v.expect),
