@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     fz.add_argument("case")
     fz.add_argument("--budget", default="10m", help="time budget, e.g. 90s, 10m (default 10m)")
     fz.add_argument("--seed", type=int, help="random seed (default: fresh)")
+    fz.add_argument("--max-layouts", type=int, metavar="N", help="stop after N layouts (or the budget, whichever "
+                    "comes first): a fixed amount of work whatever the machine's speed")
     fz.add_argument("--out", default="reports", help="where the minimal failing case and its report go")
     fz.add_argument("--max-pp", type=int, default=4, help="largest pipeline_model_parallel_size drawn")
     fz.add_argument("--max-vpp", type=int, default=2, help="largest virtual stages per rank drawn")
@@ -189,6 +191,8 @@ def _fuzz(args, argv) -> int:
     if not (1 <= args.max_pp <= bounds.MAX_WORLD_SIZE and 1 <= args.max_vpp <= 64):
         raise UsageError(f"--max-pp must be in 1..{bounds.MAX_WORLD_SIZE} (rank processes on this machine) and "
                          "--max-vpp in 1..64")
+    if args.max_layouts is not None and not 1 <= args.max_layouts <= 100_000:
+        raise UsageError(f"--max-layouts {args.max_layouts}: use 1..100000")
     plan = load_case(args.case, overrides={"training": {"reductions": args.reductions}} if args.reductions else None)
     if args.inject is not None:                 # a fault of the case's trainer
         problem = trainers.problem(plan.runs[0].config.model_copy(update={"inject": args.inject}))
@@ -196,7 +200,8 @@ def _fuzz(args, argv) -> int:
             raise UsageError(f"--inject {args.inject}: {problem}")
     out = Path(args.out)
     with _out_errors(args.out):
-        res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp)
+        res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp,
+                   max_layouts=args.max_layouts)
     print(f"{plan.name}: tried {res.tried} layouts ({len(res.grids)} distinct stage grids) in {res.elapsed_s:.0f} s "
           f"= {res.per_minute:.1f} layouts/min; {res.compute_s / max(res.tried, 1):.2f} s per layout")
     if res.failure is None and res.tried == 0:      # nothing was verified: not a pass

@@ -76,9 +76,10 @@ def parse_budget(text: str) -> float:
 
 def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[int] = None,
          inject: Optional[str] = None, max_pp: int = 4, max_vpp: int = 2, batch: int = 10,
-         progress: Callable[[str], None] = print) -> FuzzResult:
-    """Fuzz `plan`'s model for `budget_s` seconds (see module docstring); `inject` plants a fault in every
-    generated run (never the baseline).
+         progress: Callable[[str], None] = print, max_layouts: Optional[int] = None) -> FuzzResult:
+    """Fuzz `plan`'s model for `budget_s` seconds or until `max_layouts` layouts ran, whichever comes first (see
+    module docstring); `inject` plants a fault in every generated run (never the baseline).  A failure found
+    is shrunk within half the budget again, whatever `max_layouts`.
 
     With ``reductions: megatron`` and MTP, P=1 is not drawn: it accumulates the embedding's two uses per
     microbatch and is expected to differ (see reference_impl/reductions.py); ``canonical`` draws P >= 1."""
@@ -104,6 +105,8 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
             text, pp = example
             if time.monotonic() > deadline + (budget_s * 0.5 if state["shrinking"] else 0):
                 return                              # out of time: stop exploring (and shrinking)
+            if not state["shrinking"] and max_layouts is not None and result.tried >= max_layouts:
+                return
             layout = PipelineLayout.from_string(text, pp, model.num_layers, model.mtp_num_layers)
             try:
                 check_sizes(pp, layout.virtual_pipeline_model_parallel_size, t.num_microbatches)
@@ -141,7 +144,8 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
 
         strategy = layouts(model.num_layers, model.mtp_num_layers,
                            pp=_sizes(min_pp, max_pp), vpp=_sizes(1, max_vpp))
-        while time.monotonic() < deadline and state["last"] is None:
+        while time.monotonic() < deadline and state["last"] is None and (
+                max_layouts is None or result.tried < max_layouts):
             test = settings(max_examples=batch, deadline=None, database=None, derandomize=False,
                             suppress_health_check=list(HealthCheck),
                             phases=[Phase.generate, Phase.shrink])(given(strategy)(check))
