@@ -34,12 +34,13 @@ def preload(configs) -> None:
     """Have the forkserver import the workers of these runs' trainers before it forks ranks (call before the
     first run: a forkserver already running keeps its preload, and its ranks then import the trainer
     themselves).  megatron-core itself (`megatron_trainer.preload`) only when every megatron run imports the
-    same one (``megatron_path``) and none runs on CUDA: importing megatron initialises CUDA, which a forked
-    rank then cannot use."""
+    interpreter's own (``megatron_path`` None: the forkserver starts from the interpreter's path, not from a
+    source the harness put on its own sys.path) and none runs on CUDA: importing megatron initialises CUDA,
+    which a forked rank then cannot use."""
     configs = list(configs)
     modules = [WORKERS[t] for t in ("reference", *sorted({c.trainer for c in configs} - {"reference"}))]
     megatron = [c for c in configs if c.trainer == "megatron-core"]
-    if megatron and len({c.megatron_path for c in megatron}) == 1 and not any(c.device == "cuda" for c in configs):
+    if megatron and {c.megatron_path for c in megatron} == {None} and not any(c.device == "cuda" for c in configs):
         modules.append("megatron_trainer.preload")
     _CTX.set_forkserver_preload(modules)
 

@@ -127,7 +127,8 @@ def merge(run_dir: Path, world_size: int) -> Trace:
 
     Data parallelism (megatron-core, world = P x DP, global rank = pp_rank * DP + dp_rank): DP rank d trains
     its own microbatches, so the loss rank of each DP rank adds its ``losses`` (keyed by global microbatch
-    ``m * DP + d``; the merged list is in global microbatch order, the step's ``lm_loss`` is DP rank 0's); its
+    ``m * DP + d``; the merged list is in global microbatch order; the reported ``lm_loss``, over the global
+    batch, must be the same on every DP rank); its
     dense parameters are ``@dp{d}`` replicas (routed experts ``@edp{k}`` on expert-data-parallel rank k), and
     its buffers, grad norm and clip coefficient must equal DP rank 0's like an EP replica's.
 
@@ -166,6 +167,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                         _same(rank, header, step, f"{what} {k}", v, first.get(k))
                 if "losses" in rec and own_data:
                     st.losses = st.losses + rec["losses"]
+                    _same(rank, header, step, "reported lm loss", rec["lm_loss"], st.lm_loss)
                 elif "losses" in rec:
                     _same(rank, header, step, "losses", (rec["losses"], rec["lm_loss"]), (st.losses, st.lm_loss))
                 _same(rank, header, step, "grad norm", (rec["grad_norm"], rec["clip_coeff"]),

@@ -53,17 +53,30 @@ class LossRecorder:
         self.lm.append((loss.detach().clone(), num_tokens))
         return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
-    def take(self, mtp_num_layers: int, dp_size: int = 1, dp_rank: int = 0) -> tuple[list, dict]:
-        """The step's ``losses`` records, keyed by global microbatch (``m * dp_size + dp_rank``), and reported
-        ``lm_loss`` (sum of loss sums / sum of token counts over this DP rank's microbatches, left to right, as the
-        reference trainer reports it); clears the recorder."""
-        out, loss_sum, tokens = [], None, None
+    def take(self, mtp_num_layers: int, dp_group=None) -> tuple[list, dict]:
+        """The step's ``losses`` records, keyed by global microbatch (``m * DP + dp_rank`` over `dp_group`, the
+        loss stage's data-parallel group; None: DP = 1), and the reported ``lm_loss``: sum of loss sums / sum of
+        token counts over the global batch, left to right in global microbatch order, as the reference trainer
+        reports it (the DP ranks' sums are gathered first, so DP = 2 reports what DP = 1 does); clears the
+        recorder.  With `dp_group`, every rank of it must call this (a collective)."""
+        dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        out = []
         for m, (s, n) in enumerate(self.lm):
             mtp = self.mtp[m * mtp_num_layers:(m + 1) * mtp_num_layers]
-            out.append({"microbatch": m * dp_size + dp_rank, "lm": scalar(s / n.clamp(min=1)), "num_tokens": int(n.item()),
-                        "mtp": [scalar(x) for x in mtp]})
+            out.append({"microbatch": m * dp_size + dp_rank, "lm": scalar(s / n.clamp(min=1)),
+                        "num_tokens": int(n.item()), "mtp": [scalar(x) for x in mtp]})
+        pairs = [(s.view(1), n.view(1).to(s.dtype)) for s, n in self.lm]
+        if pairs and dp_size > 1:
+            mine = torch.cat([torch.cat(p) for p in pairs])          # [2 M]: s_0, n_0, s_1, n_1, ...
+            every = [torch.empty_like(mine) for _ in range(dp_size)]
+            dist.all_gather(every, mine, group=dp_group)
+            pairs = [(every[d][2 * m:2 * m + 1], every[d][2 * m + 1:2 * m + 2])
+                     for m in range(len(self.lm)) for d in range(dp_size)]     # global microbatch order
+        loss_sum, tokens = None, None
+        for s, n in pairs:
             loss_sum, tokens = (s, n) if loss_sum is None else (loss_sum + s, tokens + n)
-        reported = scalar(loss_sum / tokens.clamp(min=1)) if out else None
+        reported = scalar((loss_sum / tokens.clamp(min=1)).view(())) if pairs else None
         self.lm, self.mtp = [], []
         return out, reported
 
@@ -273,7 +286,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         record["buffers"] = dict(zip(buffers, fingerprint_hex_many(list(buffers.values())))) if buffers else {}
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            record["losses"], record["lm_loss"] = recorder.take(m.mtp_num_layers, dp_size, dp_rank)
+            record["losses"], record["lm_loss"] = recorder.take(
+                m.mtp_num_layers, ps.get_data_parallel_group() if dp_size > 1 else None)
         if overlap:
             record["overlap"] = counter.take()
         record["time_s"] = time.perf_counter() - start

@@ -49,7 +49,7 @@ def test_the_forkserver_preloads_megatron_only_for_one_source_on_cpu(monkeypatch
     mc = config.model_copy(update={"trainer": "megatron-core"})
     for configs, megatron in (([config], False), ([config, mc], True),
                               ([mc, mc.model_copy(update={"megatron_path": "/a"})], False),
-                              ([mc.model_copy(update={"megatron_path": "/a"})] * 2, True),
+                              ([mc.model_copy(update={"megatron_path": "/a"})] * 2, False),
                               ([mc.model_copy(update={"device": "cuda"})], False)):
         runner.preload(configs)
         assert ("megatron_trainer.preload" in seen[-1]) == megatron, (configs, seen[-1])

@@ -1,0 +1,143 @@
+"""PR #2136's third check on megatron-core: data and expert parallelism and megatron's MoE 1F1B overlap, on CPU
+over gloo (cases/megatron-overlap.yaml; megatron_trainer.compat_overlap, megatron_trainer.coverage).
+
+* the case passes with its stated outcomes, and the overlap really ran: every rank of every overlap run merged
+  forward+backward steps in every step, delayed-wgrad runs called backward_dw, the DP replicas of every dense
+  parameter stayed bitwise equal;
+* too few microbatches are a visible warning (a rank that merged nothing);
+* planted defects fail where they break things: a DP rank that trains another rank's microbatches (our data
+  split, a code change in a copy of megatron_trainer) fails at the first loss it moved; megatron without its
+  expert-data-parallel all-reduce (a copy of megatron edited, run as --megatron-head) fails the replica check of
+  the routed experts;
+* what cannot run is one line before anything runs.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from conftest import ROOT, run_cli  # noqa: E402
+from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
+from test_cli_errors import _check_usage_error  # noqa: E402
+
+CASE = ROOT / "cases" / "megatron-overlap.yaml"
+SMALL = ROOT / "tests" / "cases" / "megatron-small.yaml"
+
+pytestmark = [pytest.mark.slow, pytest.mark.megatron]
+
+
+def _summary(out, name):
+    return {v["name"]: v for v in json.loads((out / name / "summary.json").read_text())["variants"]}
+
+
+@pytest.fixture(scope="module")
+def overlap(tmp_path_factory):
+    out = tmp_path_factory.mktemp("overlap")
+    proc = run_cli("verify", CASE, "--out", out, timeout=1200)
+    return proc, _summary(out, "megatron-overlap"), out / "megatron-overlap"
+
+
+def test_the_overlap_case_passes_and_the_overlap_ran(overlap):
+    proc, v, report = overlap
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert all(x["verdict"] == "pass" for x in v.values())
+    runs = [x for x in v.values() if x["overlap_coverage"]]
+    assert len(runs) == 7
+    for x in runs:
+        cov = x["overlap_coverage"]
+        assert cov["warning"] is None, x["name"]
+        world = x["pp"] * x["dp"]
+        assert len(cov["merged"]) == world and all(min(c) > 0 for c in cov["merged"].values()), (x["name"], cov)
+        dw = "-dw" in x["name"]
+        assert all((min(c) > 0) == dw for c in cov["backward_dw"].values()), (x["name"], cov)
+    for name in ("p4v2-with-loss-overlap", "p4v2-with-loss-overlap-dw", "p2v2-with-loss-overlap"):
+        assert v[name]["bitwise_equal"], name
+    # DP replicas: every dense parameter of DP rank 1 is a replica checked against DP rank 0's (DP = EP: no
+    # expert-data-parallel replicas)
+    trace = json.loads((report / "runs" / "p4v2-with-loss-overlap" / "trace.json").read_text())
+    tags = {p["replica"] for p in trace["params"].values()}
+    assert {"dp1", "mtp.dp1"} <= tags and not any(t and "edp" in t for t in tags), tags
+    assert v["p4v2-with-loss-overlap"]["replica_status"]["consistent"]
+    assert [x["microbatch"] for x in trace["steps"][0]["losses"]] == list(range(16))   # 8 per DP rank
+
+
+def test_too_few_microbatches_leave_a_rank_without_merged_steps_and_say_so(tmp_path):
+    case = tmp_path / "few.yaml"
+    case.write_text(f"extends: {CASE}\nname: few\ntraining: {{num_microbatches: 4}}\n")
+    proc = run_cli("verify", case, "--out", tmp_path / "out", "--only", "p4v2-with-loss-overlap")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    x = _summary(tmp_path / "out", "few")["p4v2-with-loss-overlap"]
+    assert x["overlap_coverage"]["warning"].startswith("rank 0 merged no forward+backward step"), x
+    assert "overlap coverage: rank 0" in x["reason"]
+    assert "merged forward+backward steps per rank" in (tmp_path / "out" / "few" / "index.html").read_text()
+
+
+def test_a_dp_rank_training_another_ranks_microbatches_fails_at_the_loss(tmp_path):
+    tree = planted_tree(tmp_path / "tree", {"megatron_trainer/train.py": [
+        ("data.microbatch(step, m * dp_size + dp_rank)", "data.microbatch(step, m * dp_size)")]})
+    proc = run_planted(tree, "verify", CASE, "--out", tmp_path / "out", "--only", "p4v2-dp2-ep1", timeout=900)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    x = _summary(tmp_path / "out", "megatron-overlap")["p4v2-dp2-ep1"]
+    fd = x["first_divergence"]
+    assert x["verdict"] == "fail" and (fd["step"], fd["kind"], fd["microbatch"]) == (0, "loss", 1), x
+
+
+DP4 = f"""extends: {SMALL}
+name: dp4
+training: {{num_microbatches: 2}}
+baseline:
+  name: dp4-ep2
+  pipeline_model_parallel_layout: "Et|t|t|tmL"
+  pipeline_model_parallel_size: 2
+  data_parallel_size: 4
+  expert_model_parallel_size: 2
+variants:
+  - name: dp4-ep2-overlap
+    pipeline_model_parallel_layout: "Et|t|t|tmL"
+    pipeline_model_parallel_size: 2
+    data_parallel_size: 4
+    expert_model_parallel_size: 2
+    overlap_moe_expert_parallel_comm: true
+"""
+DDP = "megatron/core/distributed/distributed_data_parallel.py"
+SYNC = ("        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:\n"
+        "            bucket_group.finish_grad_sync(force_all_reduce=force_all_reduce)\n")
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["megatron", "expert-dp-all-reduce-skipped"])
+def test_the_expert_data_parallel_replicas_are_checked(tmp_path, planted):
+    """DP=4, EP=2: each routed expert lives on two ranks (expert data parallelism), its gradients summed over
+    them by megatron's DDP; without that all-reduce the copies train apart, and the replica check says where."""
+    case = tmp_path / "dp4.yaml"
+    case.write_text(DP4)
+    head = planted_megatron(tmp_path / "mlm", {DDP: [(SYNC, SYNC.replace(" + self.expert_parallel_bucket_groups", ""))]}) \
+        if planted else None
+    proc = run_cli("verify", case, "--out", tmp_path / "out", *(["--megatron-head", head] if head else []), timeout=900)
+    v = _summary(tmp_path / "out", "dp4")
+    if not planted:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        trace = json.loads((tmp_path / "out" / "dp4" / "runs" / "dp4-ep2" / "trace.json").read_text())
+        assert any(p["replica"] == "edp1" for p in trace["params"].values())
+        assert v["dp4-ep2"]["replica_status"]["consistent"]
+        return
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    status = v["dp4-ep2"]["replica_status"]
+    assert not status["consistent"] and status["first_broken_step"] == 0, status
+    assert "mlp.experts." in status["detail"] and "@edp1" in status["detail"] and "gradient" in status["detail"]
+
+
+@pytest.mark.parametrize("variant, fragments", [
+    ("  data_parallel_size: 2\n  trainer: reference\n", ["data_parallel_size > 1 is the megatron-core trainer's"]),
+    ("  data_parallel_size: 3\n  expert_model_parallel_size: 2\n", ["data_parallel_size=3 is not divisible by "
+                                                                     "expert_model_parallel_size=2"]),
+    ("  expert_model_parallel_size: 2\n", ["expert_model_parallel_size 2 needs a data_parallel_size"]),
+])
+def test_what_cannot_run_is_one_line(tmp_path, variant, fragments):
+    case = tmp_path / "bad.yaml"
+    case.write_text(f"extends: {SMALL}\nname: bad\nvariants:\n  - name: v\n"
+                    f"    pipeline_model_parallel_layout: \"Et|t|t|tmL\"\n    pipeline_model_parallel_size: 2\n"
+                    + variant.replace("  ", "    ", 1).replace("\n  ", "\n    "))
+    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out", *fragments)
