@@ -30,7 +30,7 @@ PORTABILITY_TESTS    ?= tests/test_optimizer.py tests/test_reductions.py tests/t
                         tests/test_overlap.py tests/test_faults.py tests/test_evidence.py tests/test_model.py \
                         tests/test_megatron_trainer.py tests/test_crossimpl.py tests/test_mla_convention.py \
                         tests/test_signature.py tests/test_dataflow.py tests/test_long.py tests/test_nonfinite.py
-PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml cases/megatron-dsv3.yaml
+PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml cases/megatron-dsv3.yaml cases/megatron-overlap.yaml
 
 # Goldens (harness.golden): the bits of cases/<c>.yaml for GOLDEN_ITERS steps in goldens/<c>, recorded and
 # checked under one arithmetic, so a change that moves every layout alike fails `make verify-golden` (CI), a
@@ -41,7 +41,7 @@ GOLDEN_ITERS ?= 8
 # The long profile: the dsv3 layouts for LONG_ITERS steps (bugs that show only after a few updates)
 LONG_ITERS  ?= 8
 
-.PHONY: verify verify-megatron verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean
+.PHONY: verify verify-megatron verify-overlap verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -60,6 +60,10 @@ verify: $(STAMP)
 # PR #2136's validation on the real megatron-core (trainer: megatron-core; the `megatron` extra), on CPU/gloo
 verify-megatron: $(STAMP)
 	$(BIN)/bitparity verify cases/megatron-dsv3.yaml $(ARGS)
+
+# PR #2136's 1F1B-overlap check on megatron-core: overlap off / on / on + delayed wgrad, DP=2 EP=2 (4 and 8 ranks)
+verify-overlap: $(STAMP)
+	$(BIN)/bitparity verify cases/megatron-overlap.yaml $(ARGS)
 
 # every run of GOLDEN_CASES bitwise equal to its golden (CI)
 verify-golden: $(STAMP)

@@ -44,7 +44,9 @@ def versions(config: RunConfig) -> dict:
     return {"trainer": config.trainer, "megatron_core": version, "megatron_commit": commit,
             "megatron_path": src.get("path"), "megatron_modified": src.get("modified"),
             "megatron_compat": compat.VERSION,
-            "megatron_compat_points": list(compat.points(config.device)),
+            "megatron_compat_points": list(compat.points(
+                config.device, config.parallel.expert_model_parallel_size > 1
+                or config.parallel.overlap_moe_expert_parallel_comm)),
             "megatron_compat_checked_versions": list(compat.SUPPORTED) + list(compat.CHECKED_COMMITS),
             "megatron_version_checked": compat.version_checked(version or "", commit)}
 

@@ -27,7 +27,7 @@ import types
 
 import torch
 
-VERSION = "3"                        # of this layer; recorded in every manifest beside megatron-core's version
+VERSION = "4"                        # of this layer; recorded in every manifest beside megatron-core's version
 SUPPORTED = ("0.16.", "0.19.")       # megatron-core releases the points were checked against
 #: Megatron-LM checkouts the points were checked against (commit -> what it is): main moves daily.
 CHECKED_COMMITS = {"d98e8a64ddf34856e74b24714e3bedb2f5a39553": "Megatron-LM main of 2026-08-22 (0.20.0)"}
@@ -179,11 +179,14 @@ def _have_te() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def points(device_type: str) -> tuple:
-    """The points `apply` patches for a rank on `device_type` ("cpu" or "cuda"): all eight on CPU; on CUDA
-    point 2, and 3 and 7 when Transformer Engine is not installed (recorded in the manifest)."""
+def points(device_type: str, expert_parallel_or_overlap: bool = False) -> tuple:
+    """The points `apply` patches for a rank on `device_type` ("cpu" or "cuda"): all nine on CPU, with EP > 1
+    or the MoE 1F1B overlap also `compat_overlap.POINTS`; on CUDA point 2, and 3, 7 and 9 when Transformer
+    Engine is not installed (recorded in the manifest)."""
     if device_type == "cpu":
-        return ("1", "2", "3", "4", "5", "6", "7", "8", "9")
+        from .compat_overlap import POINTS      # (imports this module)
+        extra = POINTS if expert_parallel_or_overlap else ()
+        return ("1", "2", "3", "4", "5", "6", "7", "8", "9") + extra
     return ("2",) if _have_te() else LOCAL_SPEC_POINTS
 
 

@@ -396,7 +396,7 @@ def test_compat_point_fixed_upstream_is_skipped_and_recorded(compat_probe, point
 
 BAD = {
     "canonical": ("options: {reductions: canonical}", ["reductions: canonical"]),
-    "ep2": ("expert_model_parallel_size: 2", ["expert_model_parallel_size > 1", "data parallelism"]),
+    "ep2": ("expert_model_parallel_size: 2", ["expert_model_parallel_size 2 needs a data_parallel_size", "data parallelism"]),
     "overlap": ("overlap_moe_expert_parallel_comm: true",
                 ["megatron-core rejects this run", "overlap_moe_expert_parallel_comm", "expert model parallelism"]),
     "reference-fault": ("inject: grad_bit_flip", ["unknown fault 'grad_bit_flip'", "skip_mtp_embedding_sync"]),
