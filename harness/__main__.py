@@ -7,7 +7,11 @@ from . import interrupt
 # Python drops its KeyboardInterrupt (harness.interrupt)
 interrupt.install()
 
-from .cli import main  # noqa: E402
+try:
+    from .cli import main  # noqa: E402
+except KeyboardInterrupt:           # Ctrl-C while the imports run: the same one line as later
+    print("bitparity: interrupted", file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     sys.exit(main())

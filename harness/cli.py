@@ -140,6 +140,8 @@ def _verify(args, argv) -> int:
     if args.megatron_base is not None and (args.golden is not None or args.write_golden is not None):
         raise UsageError("--megatron-base with --golden / --write-golden: goldens hold the runs of one megatron; "
                          "compare two sources without them")
+    if args.megatron_base is not None and args.only:     # a run on base is selected with its head run
+        args.only = [n[:-len(sources.BASE_SUFFIX)] if n.endswith(sources.BASE_SUFFIX) else n for n in args.only]
     head = sources.resolve("--megatron-head", args.megatron_head) if args.megatron_head is not None else None
     base = sources.resolve("--megatron-base", args.megatron_base) if args.megatron_base is not None else None
     if head is not None:
@@ -156,6 +158,9 @@ def _verify(args, argv) -> int:
         load_case(args.case, only=args.only, inject=args.inject, overrides=overrides)
         raise UsageError(f"--train-iters {args.train_iters}: {e}") from None
     plan = sources.with_sources(plan, head, base)
+    if (plan.megatron_sources or {}).get("same"):
+        print(f"bitparity: warning: --megatron-base and head are the same directory "
+              f"({plan.megatron_sources['head']['path']}): megatron is compared with itself", file=sys.stderr)
     goldens = None
     if args.golden is not None:
         key = golden.key_for(plan)

@@ -145,7 +145,8 @@ class CaseResult:
     # when not asked
     golden: Optional[dict] = None
     # `verify --megatron-base/--megatron-head` (harness.sources): {"head": {"path", "version", "commit",
-    # "modified"}, "base": {...}}; None when the case ran on the interpreter's megatron alone
+    # "modified"}, "base": {...}, "same": bool (base is head's directory)}; None when the case ran on the
+    # interpreter's megatron alone
     megatron_sources: Optional[dict] = None
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,13 +110,21 @@ def _stop(procs) -> None:
             p.join()
 
 
+# how a rank fails when another rank died first: the collective or p2p it waited in breaks
+_CONSEQUENCE = re.compile(r"gloo|Connection closed by peer|DistBackendError|NCCL|Timed out|timed out|Broken pipe")
+
+
 def _first_failure(run_dir: Path, world: int) -> str:
-    """'rank r: <last line>' of the first rank whose log ends in a traceback, else ''."""
+    """'rank r: <last line>' of the rank whose traceback is the root cause, else '': the first rank whose log
+    ends in a traceback that is not a broken collective (torchrun ends every rank; the ones that waited on the
+    dead rank fail too, often first in rank order), or the first traceback at all."""
+    failed = []
     for r in range(world):
-        log = tail(run_dir / f"rank{r}.log", 40)
+        log = tail(run_dir / f"rank{r}.log", 400)      # a deep megatron traceback is longer than what is shown
         if "Traceback" in log:
-            return f"rank {r}: {log.strip().splitlines()[-1]}\nlast lines of rank{r}.log:\n{log}"
-    return ""
+            failed.append((r, "\n".join(log.splitlines()[-40:]), log.strip().splitlines()[-1]))
+    r, log, last = next((f for f in failed if not _CONSEQUENCE.search(f[2])), failed[0] if failed else (None,) * 3)
+    return f"rank {r}: {last}\nlast lines of rank{r}.log:\n{log}" if r is not None else ""
 
 
 def descendants(root: int) -> list[int]:

@@ -77,8 +77,10 @@ def with_sources(plan: CasePlan, head: Optional[dict], base: Optional[dict]) -> 
         return plan
     if head is None:        # the interpreter's own megatron (checked installed by load_case's trainers.problem)
         head = {"spelled": None, **(trainers.megatron_source() or {"path": None, "version": None, "commit": None})}
+    # with a base, every reproduce command names head too: the interpreter's own megatron may come from a
+    # PYTHONPATH the command would not carry
     flags = (["--megatron-base", base["spelled"]] if base else []) + (
-        ["--megatron-head", head["spelled"]] if head["spelled"] else [])
+        ["--megatron-head", head["spelled"] or head["path"]] if head["spelled"] or (base and head["path"]) else [])
     head_path = head["path"] if head["spelled"] else None
     megatron = [r for r in plan.runs if r.config.trainer == "megatron-core"]
     if not megatron:
@@ -88,13 +90,13 @@ def with_sources(plan: CasePlan, head: Optional[dict], base: Optional[dict]) -> 
             if r.config.trainer == "megatron-core" else r for r in plan.runs]
     sources = {"head": {k: v for k, v in head.items() if k != "spelled"}}
     if base is not None:
-        names = {r.spec.name for r in plan.runs} | {v.name for v in plan.spec.variants}
+        taken = [n for n in [plan.spec.baseline.name] + [v.name for v in plan.spec.variants] if n.endswith(BASE_SUFFIX)]
+        if taken:
+            raise UsageError(f"{plan.path}: variant {taken[0]!r}: names ending in {BASE_SUFFIX!r} are the runs on "
+                             "--megatron-base; rename it")
         twins = []
         for r in megatron:
             name = r.spec.name + BASE_SUFFIX
-            if name in names:
-                raise UsageError(f"{plan.path}: variant {name!r}: names ending in {BASE_SUFFIX!r} are the runs on "
-                                 "--megatron-base; rename it")
             spec = r.spec.model_copy(update={"name": name, "compare_to": r.spec.name, "expect": "bitwise",
                                              "first_divergence": None, "signature": None, "repeat": 1})
             twins.append(PlannedRun(spec=spec, config=r.config.model_copy(update={"megatron_path": base["path"]}),
@@ -102,6 +104,8 @@ def with_sources(plan: CasePlan, head: Optional[dict], base: Optional[dict]) -> 
         _check(twins, base)
         runs += twins
         sources["base"] = {k: v for k, v in base.items() if k != "spelled"}
+        # the same directory twice compares megatron with itself: a run-to-run control, not "base vs head"
+        sources["same"] = base["path"] == head["path"]
     return dataclasses.replace(plan, runs=runs, megatron_sources=sources, flags=flags)
 
 

@@ -80,9 +80,12 @@ def problem(config: RunConfig) -> Optional[str]:
 
     if imported_here(config):
         problem = validate.import_problem()     # distribution metadata can outlive a broken install
-        if problem:
+        where = (megatron_source(config.megatron_path) or {}).get("path")
+        if problem and where == installed_root():
             return (f"trainer megatron-core: megatron-core {version} is installed but cannot be imported ({problem}); "
                     "reinstall it (`pip install -e '.[megatron]'`) or fix its dependencies")
+        if problem:
+            return f"trainer megatron-core: the megatron-core in {where} cannot be imported ({problem})"
     commit = (megatron_source(config.megatron_path) or {}).get("commit")
     if config.device == "cpu" and not compat.version_checked(version, commit) and not compat.unchecked_allowed():
         return f"trainer megatron-core: {compat.unchecked_message(version, commit)}"

@@ -338,8 +338,9 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             outside_signature_count=len(outside)))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env.update(plan.facts(), launcher=launcher)
-    for role, src in (plan.megatron_sources or {}).items():
-        env[f"megatron_{role}"] = megatron_source_words(src)
+    for role in ("head", "base"):
+        if role in (plan.megatron_sources or {}):
+            env[f"megatron_{role}"] = megatron_source_words(plan.megatron_sources[role])
     env.update(_transport_facts(work / dirs[base_name]))
     cross = None
     spec = plan.spec.cross_implementation

@@ -99,8 +99,8 @@ def megatron_source(path: Optional[str] = None) -> Optional[dict]:
                 parts["PRE_RELEASE"].group(1) if parts["PRE_RELEASE"] else "")
     except OSError:
         pass
-    if version is None and path is None:
-        try:
+    if version is None and path is None and installed_root() == str(core.parent.parent.resolve()):
+        try:        # the installed distribution's own files: its metadata speaks for them
             version = importlib.metadata.version("megatron-core")
         except importlib.metadata.PackageNotFoundError:
             pass

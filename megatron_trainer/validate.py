@@ -9,6 +9,7 @@ megatron cannot be imported at all.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -55,10 +56,12 @@ def main() -> None:
     paths = {c.megatron_path for c in configs}
     if len(paths) != 1:
         raise SystemExit(f"one megatron_path per call, got {sorted(map(str, paths))}")
-    source.activate(paths.pop())
-    problem = import_problem()
-    out = {"error": problem} if problem else [config_problem(c) for c in configs]
-    json.dump(out, sys.stdout)
+    answer = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):    # whatever megatron prints is not the answer
+        source.activate(paths.pop())
+        problem = import_problem()
+        out = {"error": problem} if problem else [config_problem(c) for c in configs]
+    json.dump(out, answer)
 
 
 if __name__ == "__main__":

@@ -123,3 +123,47 @@ def test_a_layout_the_base_rejects_is_named_before_anything_runs(tmp_path):
          "        if self.mtp_num_layers:\n            raise ValueError('planted: no MTP here')\n")]})
     proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--megatron-base", base)
     _check_usage_error(proc, tmp_path / "out", "--megatron-base", f"run {BASELINE!r}", "planted: no MTP here")
+
+
+def test_a_base_that_prints_on_import_is_validated(tmp_path):
+    """Whatever megatron prints while the base is validated is not the validator's answer."""
+    base = planted_megatron(tmp_path / "base", {"megatron/core/__init__.py": [
+        ("from megatron.core.package_info import", "print('hello from base')\nfrom megatron.core.package_info import")]})
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--only", STANDALONE + "@base", "--megatron-base", base)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    v = {x["name"] for x in json.loads((tmp_path / "out" / CASE.stem / "summary.json").read_text())["variants"]}
+    assert v == {BASELINE, STANDALONE, BASELINE + "@base", STANDALONE + "@base"}       # --only X@base: X and X@base
+
+
+def test_the_reproduce_command_names_an_implicit_head(tmp_path):
+    """Head from PYTHONPATH (or the venv) is written into every reproduce command: the command must not depend
+    on an environment it does not carry."""
+    base = planted_megatron(tmp_path / "base", {})
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--only", STANDALONE, "--megatron-base", base)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((tmp_path / "out" / CASE.stem / "runs" / STANDALONE / "manifest.json").read_text())
+    assert f"--megatron-head {installed_root()}" in manifest["command"]
+
+
+def test_the_same_directory_twice_is_said(tmp_path):
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--only", STANDALONE, "--megatron-base", "installed")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "same directory" in proc.stderr and "Traceback" not in proc.stderr
+    summary = json.loads((tmp_path / "out" / CASE.stem / "summary.json").read_text())
+    assert summary["megatron_sources"]["same"] is True
+    assert "same directory" in (tmp_path / "out" / CASE.stem / "summary.md").read_text()
+
+
+def test_names_ending_in_at_base_are_refused(tmp_path):
+    case = tmp_path / "named.yaml"
+    case.write_text(f"extends: {CASE}\nname: named\nvariants:\n  - name: x@base\n"
+                    "    pipeline_model_parallel_layout: \"Ett|tt|m|L\"\n    pipeline_model_parallel_size: 4\n")
+    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out", "--megatron-base", "installed"),
+                       tmp_path / "out", "'x@base'", "names ending in '@base'")
+
+
+def test_a_head_that_cannot_be_imported_names_its_directory(tmp_path):
+    head = planted_megatron(tmp_path / "head", {"megatron/core/package_info.py": [("\nMAJOR", "\ngarbage(\nMAJOR")]})
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--megatron-head", head, "--megatron-base", "installed",
+                   env={"BITPARITY_MEGATRON_UNCHECKED": "1"})
+    _check_usage_error(proc, tmp_path / "out", f"the megatron-core in {head.resolve()} cannot be imported")

@@ -20,6 +20,7 @@ from .chart_loss import group_rows, loss_curves_svg, loss_groups
 from .matrix import verdict_matrix
 from .summary_json import json_safe
 from .words import (OUTCOME_STYLE, card_anchors, clean_text, clip_words, divergence_words, format_elapsed,
+                    megatron_source_words,
                     is_relative_link, run_dir_of)
 
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
@@ -44,6 +45,7 @@ def environment() -> jinja2.Environment:
     env.filters["divergence"] = divergence_words
     env.filters["clean"] = clean_text
     env.filters["clip"] = clip_words
+    env.filters["megatron_source"] = lambda src: megatron_source_words(src) if isinstance(src, dict) else ""
     env.filters["fmt_value"] = lambda x: (json.dumps(json_safe(x), sort_keys=True)
                                           if isinstance(x, (dict, list, tuple)) else clean_text(x))
     env.tests["relative_link"] = is_relative_link

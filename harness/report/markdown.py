@@ -69,6 +69,9 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         lines += [""] + [f"Megatron {role}: {md_cell(megatron_source_words(srcs[role]))}" + (
             " (runs named <run>@base, each compared bit for bit with its run on head)" if role == "base" else "")
             for role in ("head", "base") if isinstance(srcs.get(role), dict)]
+        if srcs.get("same"):
+            lines += ["", "⚠️ base and head are the same directory: this compares megatron with itself "
+                          "(a run-to-run control), not two versions"]
     lines += [
         "",
         "| variant | layout | P | V | reductions | clip | expect | verdict | first divergence |",

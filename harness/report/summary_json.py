@@ -114,7 +114,8 @@ def summary_dict(result: CaseResult) -> dict:
          "golden": None | {"dir": str, "environment": str, "verdict": "pass"|"fail"|"unchecked",
                            "checked_on": [str], "detail": str},
          "megatron_sources": None | {"head": {"path": str, "version": str, "commit": str|None,
-                                               "modified": bool|None}, "base": {...} (with --megatron-base)},
+                                               "modified": bool|None}, "base": {...}, "same": bool
+                                               (with --megatron-base)},
          "environment": {...}}
 
     Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the
