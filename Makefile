@@ -61,9 +61,11 @@ verify: $(STAMP)
 verify-megatron: $(STAMP)
 	$(BIN)/bitparity verify cases/megatron-dsv3.yaml $(ARGS)
 
-# PR #2136's 1F1B-overlap check on megatron-core: overlap off / on / on + delayed wgrad, DP=2 EP=2 (4 and 8 ranks)
+# PR #2136's 1F1B-overlap check on megatron-core: overlap off / on / on + delayed wgrad, DP=2 EP=2 (4 and 8 ranks),
+# fp32 and bf16
 verify-overlap: $(STAMP)
 	$(BIN)/bitparity verify cases/megatron-overlap.yaml $(ARGS)
+	$(BIN)/bitparity verify cases/megatron-overlap-bf16.yaml $(ARGS)
 
 # every run of GOLDEN_CASES bitwise equal to its golden (CI)
 verify-golden: $(STAMP)

@@ -46,7 +46,7 @@ def versions(config: RunConfig) -> dict:
             "megatron_compat": compat.VERSION,
             "megatron_compat_points": list(compat.points(
                 config.device, config.parallel.expert_model_parallel_size > 1
-                or config.parallel.overlap_moe_expert_parallel_comm)),
+                or config.parallel.overlap_moe_expert_parallel_comm, config.params_dtype == "bfloat16")),
             "megatron_compat_checked_versions": list(compat.SUPPORTED) + list(compat.CHECKED_COMMITS),
             "megatron_version_checked": compat.version_checked(version or "", commit)}
 
@@ -90,9 +90,6 @@ def problem(config: RunConfig) -> Optional[str]:
     if config.device == "cpu" and not compat.version_checked(version, commit) and not compat.unchecked_allowed():
         return f"trainer megatron-core: {compat.unchecked_message(version, commit)}"
     t, par = config.training, config.parallel
-    if config.device == "cpu" and config.params_dtype != "float32":
-        return ("trainer megatron-core: params_dtype bfloat16 on CPU is not run (megatron's bf16 optimizer checks "
-                "for CUDA tensor types); use float32 on CPU (`--params-dtype float32`), bfloat16 on CUDA")
     if t.reductions != "megatron":
         return "trainer megatron-core: reductions: canonical is the reference trainer's mode; megatron-core runs its own"
     if par.data_parallel_size % par.expert_model_parallel_size:

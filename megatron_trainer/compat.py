@@ -179,13 +179,13 @@ def _have_te() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def points(device_type: str, expert_parallel_or_overlap: bool = False) -> tuple:
+def points(device_type: str, expert_parallel_or_overlap: bool = False, bf16: bool = False) -> tuple:
     """The points `apply` patches for a rank on `device_type` ("cpu" or "cuda"): all nine on CPU, with EP > 1
-    or the MoE 1F1B overlap also `compat_overlap.POINTS`; on CUDA point 2, and 3, 7 and 9 when Transformer
+    or the MoE 1F1B overlap also `compat_overlap.POINTS`, in bf16 also `compat_overlap.BF16_POINTS`; on CUDA point 2, and 3, 7 and 9 when Transformer
     Engine is not installed (recorded in the manifest)."""
     if device_type == "cpu":
-        from .compat_overlap import POINTS      # (imports this module)
-        extra = POINTS if expert_parallel_or_overlap else ()
+        from .compat_overlap import BF16_POINTS, POINTS      # (imports this module)
+        extra = (POINTS if expert_parallel_or_overlap else ()) + (BF16_POINTS if bf16 else ())
         return ("1", "2", "3", "4", "5", "6", "7", "8", "9") + extra
     return ("2",) if _have_te() else LOCAL_SPEC_POINTS
 

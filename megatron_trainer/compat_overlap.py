@@ -17,17 +17,24 @@ written for (`compat._require`); no point changes a computation.
   is a no-op, "Not supported - does nothing"): the same no-op.  So with the local (non-TE) specs the delayed
   wgrad delays nothing arithmetic: autograd computes every weight gradient as usual, and the flag exercises
   megatron's scheduling bookkeeping only.
+* **B1** (bf16 on CPU, any parallelism): ``Float16OptimizerWithFloat16Params.__init__`` (optimizer/optimizer.py)
+  sorts parameters by CUDA type names ('torch.cuda.BFloat16Tensor', ...) and rejects anything else: the same
+  method, recompiled from megatron's own source with the CPU type names (nothing else changes).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import textwrap
+import types
 
 import torch
 
 from . import compat
 
 POINTS = ("E1", "O1", "O2", "O3")
+BF16_POINTS = ("B1",)
 
 
 def _nvtx_broken() -> bool:
@@ -83,3 +90,38 @@ def apply() -> tuple:
         layers.RowParallelLinear.backward_dw = column
         applied.append("O3")
     return tuple(applied)
+
+
+_CUDA_TYPES = (("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", "['torch.HalfTensor', 'torch.BFloat16Tensor']"),
+               ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'"))
+
+
+def apply_bf16() -> tuple:
+    """B1: megatron's mixed-precision optimizer accepts CPU parameters.  Call after `compat.apply`, before the
+    optimizer is built.
+
+    Raises:
+        compat.CompatError: the method no longer sorts parameters by exactly these type names."""
+    from megatron.core.optimizer import optimizer as mopt
+
+    cls = mopt.Float16OptimizerWithFloat16Params
+    init = cls.__init__
+    source = textwrap.dedent(compat._source(init))
+    if not compat._needed(_CUDA_TYPES[0][0] in source, "B1",
+                          "Float16OptimizerWithFloat16Params no longer checks CUDA type names"):
+        return ()
+    compat._require(all(source.count(cuda) == 1 for cuda, _ in _CUDA_TYPES) and "super().__init__" in source, "B1",
+                    "Float16OptimizerWithFloat16Params.__init__ no longer checks each type name once")
+    for cuda, cpu in _CUDA_TYPES:
+        source = source.replace(cuda, cpu)
+    # compiled inside a class body, so that the zero-argument super() gets its __class__ cell; the cell then
+    # names the real class
+    namespace: dict = {}
+    exec(compile("class _Recompiled:\n" + textwrap.indent(source, "    "), inspect.getsourcefile(init), "exec"),
+         vars(mopt), namespace)
+    fn = namespace["_Recompiled"].__dict__["__init__"]
+    closure = tuple(types.CellType(cls) if name == "__class__" else cell
+                    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    cls.__init__ = functools.wraps(init)(types.FunctionType(fn.__code__, fn.__globals__, "__init__",
+                                                            fn.__defaults__, closure))
+    return ("B1",)

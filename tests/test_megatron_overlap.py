@@ -14,6 +14,7 @@ over gloo (cases/megatron-overlap.yaml; megatron_trainer.compat_overlap, megatro
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -141,3 +142,76 @@ def test_what_cannot_run_is_one_line(tmp_path, variant, fragments):
                     f"    pipeline_model_parallel_layout: \"Et|t|t|tmL\"\n    pipeline_model_parallel_size: 2\n"
                     + variant.replace("  ", "    ", 1).replace("\n  ", "\n    "))
     _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out", *fragments)
+
+
+PROBE = """
+import json, sys, torch, megatron.core
+from megatron.core.transformer.moe import token_dispatcher
+from megatron.core.optimizer import optimizer
+from megatron_trainer import compat, compat_overlap
+change = sys.argv[1]
+if change == "E1":          # the dispatcher no longer imports the helper by name: the patch would miss it
+    token_dispatcher.maybe_move_tensor_to_cpu = lambda *a, **k: None
+if change == "B1":          # the optimizer checks its types twice now: the recompiled method would be wrong
+    init = optimizer.Float16OptimizerWithFloat16Params.__init__
+    def changed(self, *a, **k):
+        ok = ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']
+        ok = ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']
+        return init(self, *a, **k)
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = changed
+compat.apply("cpu")
+try:
+    applied = list(compat_overlap.apply()) + list(compat_overlap.apply_bf16())
+    print(json.dumps({"applied": applied, "not_needed": sorted(set(compat.NOT_NEEDED) & {"E1", "O1", "O2", "O3", "B1"})}))
+except compat.CompatError as e:
+    print(json.dumps({"raised": str(e)}))
+"""
+
+
+def _overlap_points_here() -> set:
+    """The EP / overlap / bf16 points the installed megatron-core still needs (measured, per release line; a line
+    not listed fails, so a new megatron gets its expectations written down): E1, O1 on every line; O3 on 0.16
+    only (0.19 and main have RowParallelLinear.backward_dw); B1 on every line; O2 wherever this torch build has
+    no NVTX (the CPU build; the CUDA build from the package index has it, on a CPU too)."""
+    import torch
+    from harness.trainers import megatron_version
+    table = {"0.16": {"E1", "O1", "O3", "B1"}, "0.19": {"E1", "O1", "B1"}, "0.20": {"E1", "O1", "B1"}}
+    line = ".".join((megatron_version() or "").split(".")[:2])
+    if line not in table:
+        pytest.fail(f"megatron-core {megatron_version()}: no overlap-point expectations written for {line}.x")
+    try:
+        torch.cuda.nvtx.range_push("probe")
+        torch.cuda.nvtx.range_pop()
+        nvtx = True
+    except (RuntimeError, AttributeError):
+        nvtx = False
+    return table[line] | (set() if nvtx else {"O2"})
+
+
+@pytest.mark.parametrize("change", ["none", "E1", "B1"])
+def test_the_overlap_points_apply_as_measured_and_name_themselves(tmp_path, change):
+    import subprocess
+    import sys
+    probe = tmp_path / "probe.py"           # a file: the points read the source of what they patch
+    probe.write_text(PROBE)
+    proc = subprocess.run([sys.executable, str(probe), change], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if change == "none":
+        want = _overlap_points_here()
+        assert set(result["applied"]) == want, result
+        assert set(result["not_needed"]) == {"E1", "O1", "O2", "O3", "B1"} - want, result
+    else:
+        assert result["raised"].startswith(f"megatron CPU compat point {change}: "), result
+
+
+def test_bf16_on_cpu_runs_megatrons_mixed_precision_optimizer(tmp_path):
+    """cases/megatron-overlap-bf16.yaml: bf16 parameters, fp32 main_grad and master weights, overlap bitwise."""
+    proc = run_cli("verify", ROOT / "cases" / "megatron-overlap-bf16.yaml", "--out", tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    report = tmp_path / "megatron-overlap-bf16"
+    trace = json.loads((report / "runs" / "p4v2-with-loss-overlap" / "trace.json").read_text())
+    assert trace["params"]["decoder.layers.0.mlp.linear_fc1.weight"]["dtype"] == "bfloat16"
+    manifest = json.loads((report / "runs" / "p4v2-with-loss-overlap" / "manifest.json").read_text())
+    assert "B1" in manifest["trainer"]["megatron_compat_points"]
