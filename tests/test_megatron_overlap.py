@@ -8,7 +8,10 @@ over gloo (cases/megatron-overlap.yaml; megatron_trainer.compat_overlap, megatro
 * planted defects fail where they break things: a DP rank that trains another rank's microbatches (our data
   split, a code change in a copy of megatron_trainer) fails at the first loss it moved; megatron without its
   expert-data-parallel all-reduce (a copy of megatron edited, run as --megatron-head) fails the replica check of
-  the routed experts;
+  the routed experts; megatron whose overlap steps run the backward of the wrong microbatch fails the overlap
+  run against the plain one at a step-0 gradient;
+* the EP / overlap / bf16 compatibility points apply as measured per megatron line and name themselves when the
+  code they patch moved;
 * what cannot run is one line before anything runs.
 """
 from __future__ import annotations
@@ -215,3 +218,25 @@ def test_bf16_on_cpu_runs_megatrons_mixed_precision_optimizer(tmp_path):
     assert trace["params"]["decoder.layers.0.mlp.linear_fc1.weight"]["dtype"] == "bfloat16"
     manifest = json.loads((report / "runs" / "p4v2-with-loss-overlap" / "manifest.json").read_text())
     assert "B1" in manifest["trainer"]["megatron_compat_points"]
+
+
+SCHEDULES = "megatron/core/pipeline_parallel/schedules.py"
+POP = ("        input_tensor = input_tensors[model_chunk_id].pop(0)\n"
+       "        output_tensor = output_tensors[model_chunk_id].pop(0)\n")
+WRONG = ("        k = 1 if config.overlap_moe_expert_parallel_comm and len(output_tensors[model_chunk_id]) > 1 else 0\n"
+         "        input_tensor = input_tensors[model_chunk_id].pop(k)\n"
+         "        output_tensor = output_tensors[model_chunk_id].pop(k)\n")
+
+
+def test_an_overlap_step_running_the_backward_of_the_wrong_microbatch_fails(tmp_path):
+    """megatron edited so that, under the overlap only, a backward step takes the next microbatch's graph with
+    this microbatch's output gradient: the plain run (same megatron) is untouched, the overlap run differs from
+    it at step 0 in a gradient, never in a loss (the forward is not touched)."""
+    head = planted_megatron(tmp_path / "mlm", {SCHEDULES: [(POP, WRONG)]})
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--megatron-head", head, "--only",
+                   "p2v2-with-loss-overlap", timeout=900)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    v = _summary(tmp_path / "out", "megatron-overlap")
+    assert v["p2v2-with-loss"]["verdict"] == "pass"
+    fd = v["p2v2-with-loss-overlap"]["first_divergence"]
+    assert v["p2v2-with-loss-overlap"]["verdict"] == "fail" and (fd["step"], fd["kind"]) == (0, "grad"), fd
