@@ -197,9 +197,17 @@ class CasePlan:
                 "params_dtype": self.runs[0].config.params_dtype}
 
 
-def _loc(err: ValidationError) -> str:
+def _loc(err: ValidationError, raw: Optional[dict] = None) -> str:
+    """'<key path>: <message>' of the first error; a variant is named by its name, not its list index."""
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    loc = list(first["loc"])
+    if raw is not None and len(loc) >= 2 and loc[0] == "variants" and isinstance(loc[1], int):
+        items = raw.get("variants")
+        name = items[loc[1]].get("name") if isinstance(items, list) and loc[1] < len(items) and \
+            isinstance(items[loc[1]], dict) else None
+        if isinstance(name, str) and name.isprintable() and loc[2:3] != ["name"]:
+            return f"variant {name!r}: {'.'.join(str(p) for p in loc[2:]) or '(the variant)'}: {first['msg']}"
+    where = ".".join(str(p) for p in loc) or "(top level)"
     return f"{where}: {first['msg']}"
 
 
@@ -219,7 +227,7 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     try:
         spec = CaseSpec.model_validate(raw)
     except ValidationError as e:
-        raise UsageError(f"{path}: {_loc(e)}") from None
+        raise UsageError(f"{path}: {_loc(e, raw)}") from None
     _check_data(path, spec)
     if spec.device == "cuda":
         import torch  # the forkserver's children, not this process, run CUDA work

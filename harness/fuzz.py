@@ -85,6 +85,10 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
     microbatch and is expected to differ (see reference_impl/reductions.py); ``canonical`` draws P >= 1."""
     base_cfg = plan.runs[0].config.model_copy(update={"inject": None})
     model, t = base_cfg.model, base_cfg.training
+    if base_cfg.parallel.data_parallel_size > 1:
+        raise UsageError(f"{plan.path}: fuzz draws layouts (P, V) at data_parallel_size 1; the baseline "
+                         f"{plan.runs[0].spec.name!r} has data_parallel_size {base_cfg.parallel.data_parallel_size}, "
+                         "whose global batch no drawn layout would share: fuzz a baseline without it")
     min_pp = 2 if t.reductions == "megatron" and model.mtp_num_layers else 1
     if max_pp < min_pp:
         raise UsageError(f"--max-pp {max_pp}: megatron reductions need P >= 2 (P=1 differs by design)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -64,7 +65,8 @@ def activate(path: Optional[str]) -> None:
         raise SourceError(f"{path}: no megatron/core/ in it")
     loaded = sys.modules.get("megatron.core")
     if loaded is not None:
-        where = Path(loaded.__file__).resolve().parent.parent.parent
+        # abspath, not resolve: a megatron/ that is a symlink inside `path` still comes from `path`
+        where = Path(os.path.abspath(loaded.__file__)).parent.parent.parent
         if where != root:
             raise SourceError(f"megatron is already imported from {where}, not {root}")
         return
@@ -74,7 +76,7 @@ def activate(path: Optional[str]) -> None:
     # ``megatron`` is a namespace package (no __init__.py): every sys.path entry holding a megatron/ adds to it,
     # and megatron.core comes from the first; find_spec locates it without running it
     where = _core_dir(None)
-    if where is None or where.resolve().parent.parent != root:
+    if where is None or Path(os.path.abspath(where)).parent.parent != root:
         raise SourceError(f"megatron.core would be imported from {where}, not from {root}")
 
 

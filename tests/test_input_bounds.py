@@ -264,7 +264,7 @@ def test_control_characters_in_names(tmp_path, capsys, name):
 def test_control_characters_in_baseline_and_compare_to(tmp_path, capsys):
     _verify_error(tmp_path, capsys, CASE.replace("{name: base,", r'{name: "b\e[2J",'), "baseline.name")
     body = CASE.replace("pipeline_model_parallel_size: 4}", r'pipeline_model_parallel_size: 4, compare_to: "x\e"}')
-    _verify_error(tmp_path, capsys, body, "variants.0.compare_to")
+    _verify_error(tmp_path, capsys, body, "variant 'v': compare_to")
 
 
 def test_control_characters_in_a_path_are_escaped(tmp_path, capsys):
@@ -323,3 +323,8 @@ def test_unwritable_out(tmp_path, capsys, monkeypatch):
         (tmp_path / "ro").chmod(0o500)
     line = _one_line_error(capsys, out, "verify", case, "--out", out)
     assert f"--out {out}" in line and "permission denied" in line.lower(), line
+
+
+def test_a_schema_error_in_a_variant_names_the_variant(tmp_path, capsys):
+    body = CASE.replace("pipeline_model_parallel_size: 4}", "pipeline_model_parallel_size: 4, data_parallel_size: 0}")
+    _verify_error(tmp_path, capsys, body, "variant 'v': data_parallel_size: Input should be greater than or equal to 1")

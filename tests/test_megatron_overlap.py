@@ -240,3 +240,9 @@ def test_an_overlap_step_running_the_backward_of_the_wrong_microbatch_fails(tmp_
     assert v["p2v2-with-loss"]["verdict"] == "pass"
     fd = v["p2v2-with-loss-overlap"]["first_divergence"]
     assert v["p2v2-with-loss-overlap"]["verdict"] == "fail" and (fd["step"], fd["kind"]) == (0, "grad"), fd
+
+
+def test_fuzz_refuses_a_data_parallel_baseline(tmp_path):
+    """fuzz draws layouts at DP = 1; against a DP = 2 baseline every one would differ in its global batch."""
+    _check_usage_error(run_cli("fuzz", CASE, "--budget", "60s", "--out", tmp_path / "out"), tmp_path / "out",
+                       "fuzz draws layouts (P, V) at data_parallel_size 1", "'p4v2-with-loss'")

@@ -167,3 +167,12 @@ def test_a_head_that_cannot_be_imported_names_its_directory(tmp_path):
     proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--megatron-head", head, "--megatron-base", "installed",
                    env={"BITPARITY_MEGATRON_UNCHECKED": "1"})
     _check_usage_error(proc, tmp_path / "out", f"the megatron-core in {head.resolve()} cannot be imported")
+
+
+def test_a_source_whose_megatron_is_a_symlink_is_that_source(tmp_path):
+    """A directory whose megatron/ links to another tree: megatron.core comes from that directory's path."""
+    src = tmp_path / "linked"
+    src.mkdir()
+    (src / "megatron").symlink_to(planted_megatron(tmp_path / "copy", {}) / "megatron")
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--only", STANDALONE, "--megatron-base", src)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
