@@ -34,7 +34,3 @@ def check() -> None:
     if _received is not None:
         raise KeyboardInterrupt
 
-
-def received() -> bool:
-    """True once SIGINT or SIGTERM arrived since `install`."""
-    return _received is not None

@@ -38,15 +38,14 @@ def versions(config: RunConfig) -> dict:
     evaluated here, where the rank's environment is the same)."""
     if config.trainer != "megatron-core":
         return {"trainer": config.trainer}
-    from megatron_trainer import compat
+    from megatron_trainer import compat, compat_overlap
     src = megatron_source(config.megatron_path) or {}
     version, commit = src.get("version"), src.get("commit")
     return {"trainer": config.trainer, "megatron_core": version, "megatron_commit": commit,
             "megatron_path": src.get("path"), "megatron_modified": src.get("modified"),
             "megatron_compat": compat.VERSION,
             "megatron_compat_points": list(compat.points(
-                config.device, config.parallel.expert_model_parallel_size > 1
-                or config.parallel.overlap_moe_expert_parallel_comm, config.params_dtype == "bfloat16")),
+                config.device, compat_overlap.needed(config.parallel), config.params_dtype == "bfloat16")),
             "megatron_compat_checked_versions": list(compat.SUPPORTED) + list(compat.CHECKED_COMMITS),
             "megatron_version_checked": compat.version_checked(version or "", commit)}
 

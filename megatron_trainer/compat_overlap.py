@@ -37,6 +37,12 @@ POINTS = ("E1", "O1", "O2", "O3")
 BF16_POINTS = ("B1",)
 
 
+def needed(parallel) -> bool:
+    """Whether a run with these `ParallelConfig` settings needs `POINTS` (on CPU): EP > 1 or the MoE 1F1B
+    overlap."""
+    return parallel.expert_model_parallel_size > 1 or parallel.overlap_moe_expert_parallel_comm
+
+
 def _nvtx_broken() -> bool:
     try:
         torch.cuda.nvtx.range_push("bitparity")
