@@ -61,7 +61,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trainerkit.config import (MAX_GPUS, MAX_TIMEOUT_S, DataConfig, ModelConfig, ParallelConfig, RunConfig,
-                               TrainingConfig, check_expert_parallel, overlap_problem)
+                               TrainingConfig, check_data_parallel_microbatches, check_expert_parallel,
+                               overlap_problem)
 from trainerkit.data import DataError, TokenDataset
 from trainerkit.layout import LayoutError, PipelineLayout
 from trainerkit.schedule import ScheduleError, build_schedule, simulate
@@ -118,6 +119,34 @@ class ResumeSpec(_Strict):
     _variant_printable = field_validator("variant")(bounds.printable)
 
 
+class VersionExpectation(_Strict):
+    """What holds for a run on the megatron-core versions `versions` (PEP 440 specifiers, e.g. ``"<0.17"``,
+    ``">=0.17,<0.20"``; pre-releases and Megatron-LM checkouts match by their version number): it replaces the
+    run's expect / first_divergence / signature / bug there, so one case states an upstream bug and its fix."""
+
+    versions: str = Field(min_length=1, max_length=200)
+    expect: Literal["bitwise", "may_diverge", "diverge", "not_finite"]
+    first_divergence: Optional[list[ExpectedDivergence]] = None
+    signature: Optional[list[SignaturePlace]] = None
+    bug: Optional[str] = Field(None, max_length=300)
+    _printable = field_validator("versions", "bug")(bounds.printable)
+
+    @field_validator("versions")
+    @classmethod
+    def _specifiers(cls, v):
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+        try:
+            SpecifierSet(v)
+        except InvalidSpecifier:
+            raise ValueError(f"{v!r} is not a PEP 440 version specifier (e.g. '<0.17' or '>=0.17,<0.20')") from None
+        return v
+
+    @field_validator("first_divergence", mode="before")
+    @classmethod
+    def _one_or_more(cls, v):
+        return [v] if isinstance(v, dict) else v
+
+
 class VariantSpec(_Strict):
     """One run of the case: a layout and P, overrides of `training`, and what its comparison must show."""
 
@@ -129,7 +158,9 @@ class VariantSpec(_Strict):
     overlap_moe_expert_parallel_comm: bool = False    # Megatron's 1F1B overlap schedule
     delay_wgrad_compute: bool = False
     options: dict = Field(default_factory=dict)
-    expect: Literal["bitwise", "may_diverge", "diverge"] = "bitwise"
+    # not_finite: the run must become not finite (a bug caught), first where first_divergence says (kind loss or
+    # grad_norm, name lm / mtp_k / grad norm); its comparison with compare_to is not judged
+    expect: Literal["bitwise", "may_diverge", "diverge", "not_finite"] = "bitwise"
     # one place, or a list of places any one of which may be the first divergence
     first_divergence: Optional[list[ExpectedDivergence]] = None
     signature: Optional[list[SignaturePlace]] = None    # everything that may differ (harness.signature)
@@ -138,8 +169,17 @@ class VariantSpec(_Strict):
     repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
     resume: Optional[ResumeSpec] = None  # start from another run's checkpoint
     trainer: Optional[Literal["reference", "megatron-core"]] = None    # default: the case's
+    # megatron's own options by Megatron-LM's names, over the case's `megatron:` (megatron_trainer.options)
+    megatron: dict = Field(default_factory=dict)
+    # megatron: only megatron's own layout rules (run a layout megatron accepts and trains wrong)
+    layout_rules: Literal["bitparity", "megatron"] = "bitparity"
+    # the upstream bug this run exposes (a Megatron-LM commit or issue): the report shows it beside the verdict
+    bug: Optional[str] = Field(None, max_length=300)
+    # what holds on other megatron versions: the first entry whose `versions` (PEP 440) match the run's
+    # megatron-core replaces expect / first_divergence / signature / bug (harness.expectations.for_version)
+    megatron_versions: list[VersionExpectation] = Field(default_factory=list, max_length=16)
     # names reach the terminal and the report: an ANSI escape or a newline in one is rejected, not printed
-    _names_printable = field_validator("name", "compare_to", "inject")(bounds.printable)
+    _names_printable = field_validator("name", "compare_to", "inject", "bug")(bounds.printable)
 
     @field_validator("first_divergence", mode="before")
     @classmethod
@@ -158,6 +198,8 @@ class CaseSpec(_Strict):
     num_gpus: Optional[int] = Field(None, ge=1, le=MAX_GPUS)         # cuda: GPUs to spread ranks over
     capture: Literal["full", "activations"] = "full"                 # activations: in-step fingerprints too
     trainer: Literal["reference", "megatron-core"] = "reference"     # harness.trainers; a variant may override
+    # megatron's own options by Megatron-LM's names (megatron_trainer.options); a variant's `megatron:` adds to it
+    megatron: dict = Field(default_factory=dict)
     model: ModelConfig
     training: TrainingConfig = TrainingConfig()
     baseline: VariantSpec
@@ -175,6 +217,8 @@ class PlannedRun:
     layout: PipelineLayout
     is_baseline: bool
     twin_of: Optional[str] = None   # the run of the case file this one repeats on another megatron (harness.sources)
+    # the variant as the case file writes it, before its megatron_versions entry for the run's megatron was applied
+    declared: Optional[VariantSpec] = None
 
 
 @dataclass
@@ -393,6 +437,11 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     except ValidationError as e:
         raise UsageError(f"{where}: options.{_loc(e)}") from None
     expectations.check(where, v.expect, v.first_divergence, is_baseline, spec.model, training, v.signature)
+    for i, e in enumerate(v.megatron_versions):
+        if is_baseline:
+            raise UsageError(f"{where}: the baseline cannot carry an expectation (megatron_versions)")
+        expectations.check(f"{where}: megatron_versions[{i}] ({e.versions})", e.expect, e.first_divergence, False,
+                           spec.model, training, e.signature)
     training = training.model_copy(update={"data": _beside(path, training.data)})
     if training.data != spec.training.data:
         try:
@@ -405,7 +454,8 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     bounds.check_run_size(where, P, EP)
     try:
         layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, P,
-                                            spec.model.num_layers, spec.model.mtp_num_layers)
+                                            spec.model.num_layers, spec.model.mtp_num_layers,
+                                            megatron_rules_only=v.layout_rules == "megatron")
         # before the schedule is built: its size is P x V x M actions (P=1024 x 4096 was a MemoryError)
         bounds.check_run_size(where, P, EP, layout.virtual_pipeline_model_parallel_size, training.num_microbatches)
         simulate(build_schedule(layout, training.num_microbatches, training.seq_length,
@@ -421,17 +471,32 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
                               expert_model_parallel_size=v.expert_model_parallel_size,
                               data_parallel_size=v.data_parallel_size,
                               overlap_moe_expert_parallel_comm=v.overlap_moe_expert_parallel_comm,
-                              delay_wgrad_compute=v.delay_wgrad_compute)
+                              delay_wgrad_compute=v.delay_wgrad_compute, layout_rules=v.layout_rules)
     try:
         check_expert_parallel(spec.model, training, parallel)
     except ValueError as e:
         raise UsageError(f"{where}: expert_model_parallel_size: {e}") from None
+    try:
+        check_data_parallel_microbatches(training, parallel)
+    except ValueError as e:
+        raise UsageError(f"{where}: training.{e}") from None
     fault = v.inject or (None if is_baseline else inject)
     trainer = v.trainer or spec.trainer
-    config = RunConfig(model=spec.model, training=training, inject=fault, device=spec.device,
-                       params_dtype=spec.params_dtype or ("bfloat16" if spec.device == "cuda" else "float32"),
-                       num_gpus=spec.num_gpus, capture=spec.capture, parallel=parallel, trainer=trainer)
+    try:
+        config = RunConfig(model=spec.model, training=training, inject=fault, device=spec.device,
+                           params_dtype=spec.params_dtype or ("bfloat16" if spec.device == "cuda" else "float32"),
+                           num_gpus=spec.num_gpus, capture=spec.capture, parallel=parallel, trainer=trainer,
+                           megatron={**spec.megatron, **v.megatron})
+    except ValidationError as e:
+        raise UsageError(f"{where}: {_loc(e)}") from None
+    if trainer != "megatron-core":
+        for key, bad in (("megatron_versions", v.megatron_versions), ("layout_rules: megatron",
+                                                                      v.layout_rules == "megatron")):
+            if bad:
+                raise UsageError(f"{where}: {key} needs trainer: megatron-core")
     problem = trainers.problem(config)
     if problem:
         raise UsageError(f"{where}: {problem}")
-    return PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)
+    run = PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)
+    return expectations.resolve(run, trainers.megatron_version(config.megatron_path)
+                                if trainer == "megatron-core" else None)

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainerkit.config import DumpConfig, RunConfig
 
+from . import trainers
 from .runner import run_ranks
 from .trace import Trace, TraceError, merge
 from .ulp import tensor_stats, ulp_distance
@@ -51,6 +52,67 @@ class CrossImplementationSpec(BaseModel):
     # activations at different places (e.g. before or after a norm's weight), so a ULP bound would measure
     # where each casts, not whether they compute the same function
     params_dtype: Literal["float32", "bfloat16"] = "float32"
+    # what the comparison must show: agree (within max_ulp), or disagree — an implementation bug caught, first
+    # beyond the bound at `first_beyond_bound` (a parameter key: its gradient; "loss": a microbatch's loss)
+    expect: Literal["agree", "disagree"] = "agree"
+    first_beyond_bound: Optional[str] = Field(None, max_length=300)
+    bug: Optional[str] = Field(None, max_length=300)     # the upstream bug a disagreement shows (the report says it)
+    # per megatron-core version (PEP 440 specifiers; the first match replaces expect / first_beyond_bound / bug)
+    megatron_versions: list["CrossVersionExpectation"] = Field(default_factory=list, max_length=16)
+
+
+class CrossVersionExpectation(BaseModel):
+    """What the cross-implementation comparison shows on the megatron-core versions `versions`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    versions: str = Field(min_length=1, max_length=200)
+    expect: Literal["agree", "disagree"]
+    first_beyond_bound: Optional[str] = Field(None, max_length=300)
+    bug: Optional[str] = Field(None, max_length=300)
+
+    @field_validator("versions")
+    @classmethod
+    def _specifiers(cls, v):
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+        try:
+            SpecifierSet(v)
+        except InvalidSpecifier:
+            raise ValueError(f"{v!r} is not a PEP 440 version specifier (e.g. '<0.17' or '>=0.17,<0.20')") from None
+        return v
+
+
+CrossImplementationSpec.model_rebuild()
+
+
+def expected(spec: CrossImplementationSpec, version: Optional[str]) -> dict:
+    """{expect, first_beyond_bound, bug} that hold on megatron-core `version` (None: the spec's own)."""
+    from .expectations import entry_for
+    entry = entry_for(spec, version) or spec
+    return {"expect": entry.expect, "first_beyond_bound": entry.first_beyond_bound,
+            "bug": entry.bug if entry.bug is not None else spec.bug}
+
+
+def judge(rec: dict, want: dict) -> dict:
+    """`rec` (a measured comparison: verdict pass / fail) judged against the expectation `want` (`expected`):
+    a ``disagree`` expectation passes only when the runs disagree first where it says, and for no other reason
+    (weights, inventory or data that differ mean the comparison itself is broken).  The measured verdict stays
+    in ``measured``."""
+    rec = {**rec, **{f"expected_{k}" if k != "bug" else k: v for k, v in want.items()}, "measured": rec["verdict"]}
+    if want["expect"] == "agree" or rec["verdict"] == "error":
+        return rec
+    fb = rec.get("first_beyond_bound")
+    place = None if fb is None else ("loss" if fb["what"] == "loss" else fb["key"])
+    broken = rec["init_differs"] or any(rec["inventory"].values()) or "different data" in rec["reason"]
+    if rec["verdict"] == "pass":
+        verdict, why = "fail", f"expected the implementations to disagree, but they agree: {rec['reason']}"
+    elif broken or place is None:
+        verdict, why = "fail", f"the comparison itself is broken: {rec['reason']}"
+    elif want["first_beyond_bound"] is not None and place != want["first_beyond_bound"]:
+        verdict, why = "fail", f"disagree elsewhere than expected (first {place}, expected " \
+            f"{want['first_beyond_bound']}): {rec['reason']}"
+    else:
+        verdict, why = "pass", f"disagree as expected: {rec['reason']}"
+    return {**rec, "verdict": verdict, "reason": why}
 
 
 def other_trainer(trainer: str) -> str:
@@ -179,6 +241,8 @@ def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: floa
                          work / second, timeout, launcher)
         rec = compare(a, ta, b, tb, spec.step, spec.max_ulp, (first, second))
         rec.update(base, elapsed_s={first: ea, second: eb})
+        megatron = cfg if first == "megatron-core" else cfg.model_copy(update={"trainer": second})
+        rec = judge(rec, expected(spec, trainers.megatron_version(megatron.megatron_path)))
     except (RuntimeError, TraceError, StopIteration) as e:
         rec = {**base, "verdict": "error", "reason": str(e) or type(e).__name__}
     progress(f"      {rec['verdict'].upper()}: {rec['reason']}")

@@ -8,6 +8,9 @@ would never be caught: every such place is a one-line `UsageError`.  The names a
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 from trainerkit import names
 from trainerkit.config import ModelConfig, TrainingConfig
 
@@ -55,6 +58,14 @@ def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig,
                          "at least its kind)")
     if wants is not None and not wants:
         raise UsageError(f"{where}: first_divergence is an empty list: name at least one place")
+    if expect == "not_finite":
+        if signature is not None:
+            raise UsageError(f"{where}: signature is not meaningful with expect: not_finite (its comparison is not "
+                             "judged)")
+        odd = next((w for w in wants or [] if w.kind not in _SCALAR_ULP_KINDS or w.max_ulp is not None), None)
+        if odd is not None:
+            raise UsageError(f"{where}: expect: not_finite places the first NaN / inf at a loss or the grad norm "
+                             f"(kind loss or grad_norm, no max_ulp), not {odd.kind}")
     if signature is not None:
         _check_signature(where, expect, signature, model, training, wants)
     for i, want in enumerate(wants or []):
@@ -113,3 +124,28 @@ def _check_signature(where: str, expect: str, places, model: ModelConfig, traini
             raise UsageError(f"{where}: signature does not include first_divergence"
                              f"{f'[{i}]' if len(wants) > 1 else ''} ({want.kind} {want.name or '(any)'}, "
                              f"{'any step' if want.step is None else f'step {want.step}'}): the run could never pass")
+
+
+def entry_for(declared, version: Optional[str]):
+    """The `megatron_versions` entry of variant spec `declared` that holds on megatron-core `version` (the first
+    whose specifiers contain it), or None (no entry matches, no entries, or no megatron: `version` None)."""
+    if version is None or not declared.megatron_versions:
+        return None
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return None
+    return next((e for e in declared.megatron_versions if SpecifierSet(e.versions).contains(v, prereleases=True)), None)
+
+
+def resolve(run, version: Optional[str]):
+    """Planned run `run` with the expectation that holds on megatron-core `version` (`entry_for`) in its spec;
+    the spec as written stays in ``run.declared``.  Resolving again (another megatron) starts from it."""
+    declared = run.declared or run.spec
+    entry = entry_for(declared, version)
+    spec = declared if entry is None else declared.model_copy(update={
+        "expect": entry.expect, "first_divergence": entry.first_divergence, "signature": entry.signature,
+        "bug": entry.bug if entry.bug is not None else declared.bug})
+    return dataclasses.replace(run, spec=spec, declared=declared)

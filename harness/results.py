@@ -148,6 +148,10 @@ class CaseResult:
     # "modified"}, "base": {...}, "same": bool (base is head's directory)}; None when the case ran on the
     # interpreter's megatron alone
     megatron_sources: Optional[dict] = None
+    # which runs agree bit for bit (`harness.agreement.groups`): {"split": bool, "computations": [{"label",
+    # "key", "split", "warning": str | None, "classes": [{"runs", "size", "has_baseline"}]}], "errored": [str]};
+    # {} when not computed
+    agreement: dict = field(default_factory=dict)
 
     @property
     def all_pass(self) -> bool:

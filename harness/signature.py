@@ -123,7 +123,7 @@ def judge(verdict: tuple[str, str, str], spec, cmp: Optional[Comparison], clippi
     """`harness.verify.judge`'s (verdict, outcome, reason) with the signature applied: a passing
     ``may_diverge`` / ``diverge`` variant that differs outside its signature fails.  Returns the four-tuple
     (verdict, outcome, reason, the `Difference` s outside)."""
-    if cmp is None or verdict[0] != "pass" or spec.expect == "bitwise":
+    if cmp is None or verdict[0] != "pass" or spec.expect in ("bitwise", "not_finite"):
         return (*verdict, [])
     out = outside(cmp, spec, clipping)
     if not out:

@@ -20,7 +20,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from . import trainers
+from . import expectations, trainers
 from .cases import CasePlan, PlannedRun
 from .errors import UsageError
 
@@ -86,7 +86,9 @@ def with_sources(plan: CasePlan, head: Optional[dict], base: Optional[dict]) -> 
     if not megatron:
         raise UsageError(f"{plan.path}: {flags[0]}: the case has no megatron-core run (trainer: megatron-core) "
                          "to run on another megatron")
-    runs = [dataclasses.replace(r, config=r.config.model_copy(update={"megatron_path": head_path}))
+    # each run's expectation for head's megatron version (its megatron_versions entry)
+    runs = [expectations.resolve(dataclasses.replace(r, config=r.config.model_copy(update={"megatron_path": head_path})),
+                                 head.get("version"))
             if r.config.trainer == "megatron-core" else r for r in plan.runs]
     sources = {"head": {k: v for k, v in head.items() if k != "spelled"}}
     if base is not None:
@@ -98,7 +100,8 @@ def with_sources(plan: CasePlan, head: Optional[dict], base: Optional[dict]) -> 
         for r in megatron:
             name = r.spec.name + BASE_SUFFIX
             spec = r.spec.model_copy(update={"name": name, "compare_to": r.spec.name, "expect": "bitwise",
-                                             "first_divergence": None, "signature": None, "repeat": 1})
+                                             "first_divergence": None, "signature": None, "repeat": 1,
+                                             "megatron_versions": [], "bug": None})
             twins.append(PlannedRun(spec=spec, config=r.config.model_copy(update={"megatron_path": base["path"]}),
                                     layout=r.layout, is_baseline=False, twin_of=r.spec.name))
         _check(twins, base)

@@ -214,10 +214,26 @@ def check_losses(trace: Trace, num_microbatches: int, mtp_num_layers: int) -> No
                                  f"expected mtp_num_layers = {mtp_num_layers}")
 
 
-def first_nonfinite(trace: Trace) -> Optional[str]:
+@dataclass(frozen=True)
+class NonFinite:
+    """The first NaN / inf of a run: step, global microbatch (None for the grad norm), what (``lm``,
+    ``mtp_1``..``mtp_D``, ``grad norm``) and the value; ``str()`` gives the words."""
+
+    step: int
+    microbatch: Optional[int]
+    name: str
+    value: float
+
+    def __str__(self) -> str:
+        if self.microbatch is None:
+            return f"step {self.step}: {self.name} is {self.value}"
+        return f"step {self.step} microbatch {self.microbatch}: {self.name} loss is {self.value}"
+
+
+def first_nonfinite(trace: Trace) -> Optional[NonFinite]:
     """Where a run's training stopped being finite: the first NaN / inf loss (per microbatch: lm, then MTP depth
-    1..D) or grad norm, in step order, as ``'step 0 microbatch 1: lm loss is nan'`` / ``'step 2: grad norm is
-    inf'``; None when every loss and grad norm is finite.
+    1..D) or grad norm, in step order (``str()``: ``'step 0 microbatch 1: lm loss is nan'`` / ``'step 2: grad
+    norm is inf'``); None when every loss and grad norm is finite.
 
     A NaN has the same bits in every layout that produces it, so two broken runs would compare bitwise equal and
     pass: the harness fails such a run instead, as Megatron-LM refuses to train on one
@@ -229,9 +245,9 @@ def first_nonfinite(trace: Trace) -> Optional[str]:
             named = [("lm", rec.get("lm"))] + [(f"mtp_{d}", x) for d, x in enumerate(rec.get("mtp", []), start=1)]
             for name, x in named:
                 if x is not None and not math.isfinite(x["value"]):
-                    return f"step {st.step} microbatch {rec['microbatch']}: {name} loss is {x['value']}"
+                    return NonFinite(st.step, rec["microbatch"], name, x["value"])
         if st.grad_norm is not None and not math.isfinite(st.grad_norm["value"]):
-            return f"step {st.step}: grad norm is {st.grad_norm['value']}"
+            return NonFinite(st.step, None, "grad norm", st.grad_norm["value"])
     return None
 
 

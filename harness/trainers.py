@@ -63,12 +63,14 @@ def problem(config: RunConfig) -> Optional[str]:
         if config.parallel.data_parallel_size > 1:
             return ("data_parallel_size > 1 is the megatron-core trainer's (trainer: megatron-core); the reference "
                     "trainer's EP ranks share their microbatches (expert_model_parallel_size alone)")
-        from reference_impl import faults
+        from reference_impl import faults, options
         try:
             faults.check(config.inject)
         except faults.FaultError as e:
             return str(e)
-        return None
+        if config.parallel.layout_rules != "bitparity":
+            return "layout_rules: megatron is the megatron-core trainer's (a layout megatron accepts and trains wrong)"
+        return options.problem(config.megatron)
     version = megatron_version(config.megatron_path)
     if version is None and config.megatron_path is not None:
         return f"trainer megatron-core: {config.megatron_path}: no megatron/core/ in it"

@@ -21,7 +21,7 @@ from trainerkit.config import CheckpointConfig
 from trainerkit.data import text_sha256
 from trainerkit.schedule import build_schedule, serialise, timeline
 
-from . import crossimpl, golden, outdir, signature, trainers
+from . import agreement, crossimpl, golden, outdir, signature, trainers
 from .arithmetic import environment
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
@@ -135,6 +135,8 @@ def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
     if run.is_baseline:
         return ("fail", "unexpected difference", f"reference run: {replica_why}") if broken else \
             ("pass", "reference", "reference run: completed (compared with itself)")
+    if run.spec.expect == "not_finite":     # judged by where it stopped being finite (`_judge_nonfinite`)
+        return "pass", "not finite as expected", ""
     fd, exp = cmp.first_divergence, run.spec
     where = f"first divergence: step {fd.step} {fd.kind} {fd.name}" if fd else ""
     ref = exp.compare_to or "the baseline"
@@ -165,12 +167,35 @@ def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
     return "pass", "differs as expected", f"differs as expected; {where}"
 
 
+def _judge_nonfinite(spec, nonfinite, verdict: str, happened: str, reason: str) -> tuple[str, str, str]:
+    """(verdict, outcome, reason) once the run's first NaN / inf (`harness.trace.first_nonfinite`, or None) is
+    known.  NaN bits compare equal to themselves, so a broken run must not pass as "equal": it fails, except a
+    ``diverge`` run (broken on purpose: it only says so) and a ``not_finite`` run, which passes only when it is
+    not finite where its first_divergence says (the bug it states is caught there)."""
+    if spec.expect == "not_finite":
+        if nonfinite is None:
+            return "fail", "unexpectedly finite", "expected training to become not finite, but every loss and grad " \
+                "norm is finite"
+        misses = [_misplaced(nonfinite, w) for w in spec.first_divergence or []]
+        if misses and all(misses):
+            return "fail", "unexpected difference", f"not finite elsewhere than expected: {nonfinite}; " + \
+                ", ".join(min(misses, key=len))
+        return "pass", "not finite as expected", f"not finite as expected: {nonfinite}"
+    if nonfinite is None:
+        return verdict, happened, reason
+    if spec.expect == "diverge":
+        return verdict, happened, f"{reason}; training not finite: {nonfinite}"
+    return "fail", "not finite", f"training not finite: {nonfinite}"
+
+
 def _misplaced(fd, want) -> list[str]:
     """How the first divergence `fd` misses the expected place `want` (fields left out match anything)."""
-    out = [f"{k} {getattr(fd, k)!r} (expected {getattr(want, k)!r})" for k in ("step", "kind", "name", "microbatch")
-           if getattr(want, k) is not None and getattr(want, k) != getattr(fd, k)]
+    kind = getattr(fd, "kind", "grad_norm" if fd.name == "grad norm" else "loss")     # a `NonFinite` has no kind
+    out = [f"{k} {have!r} (expected {getattr(want, k)!r})" for k, have in
+           (("step", fd.step), ("kind", kind), ("name", fd.name), ("microbatch", fd.microbatch))
+           if getattr(want, k) is not None and getattr(want, k) != have]
     # the ULP bound only speaks about the place it allows: elsewhere the place itself is the miss
-    if not out and want.max_ulp is not None and (fd.ulp is None or fd.ulp > want.max_ulp):
+    if not out and want.max_ulp is not None and (getattr(fd, "ulp", None) is None or fd.ulp > want.max_ulp):
         out.append(f"{fd.ulp if fd.ulp is not None else 'unknown'} ulp (at most {want.max_ulp} allowed)")
     return out
 
@@ -297,11 +322,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         # NaN bits compare equal to themselves: a broken run must not pass as "equal" (a `diverge` run may be
         # broken on purpose, so it only says so)
         nonfinite = first_nonfinite(trace) if trace is not None else None
-        if nonfinite and verdict != "error":
-            if run.spec.expect == "diverge":
-                reason += f"; training not finite: {nonfinite}"
-            else:
-                verdict, happened, reason = "fail", "not finite", f"training not finite: {nonfinite}"
+        if verdict != "error":
+            verdict, happened, reason = _judge_nonfinite(run.spec, nonfinite, verdict, happened, reason)
         coverage = overlap_coverage(trace, run.config.parallel.overlap_moe_expert_parallel_comm) \
             if trace is not None and run.config.trainer == "megatron-core" else {}
         if coverage.get("warning"):
@@ -353,9 +375,16 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     golden_record = golden.apply(goldens, plan, env, traces, variants, dirs, progress)
     for v in variants:
         (work / v.run_dir / "comparison.json").write_text(json.dumps(_comparison_record(v), indent=1))
+    # which runs agree bit for bit with which: a wrong baseline shows as the small group (harness.agreement)
+    agreed = agreement.groups([(r.spec.name, traces[r.spec.name], agreement.computation_key(r.config),
+                                r.spec.compare_to or base_name) for r in plan.runs], base_name)
+    for c in agreed["computations"]:
+        if c["warning"]:
+            progress(f"[agreement] {c['warning']}")
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
                         elapsed_s=time.monotonic() - start, environment=env, command=command,
-                        cross_implementation=cross, golden=golden_record, megatron_sources=plan.megatron_sources)
+                        cross_implementation=cross, golden=golden_record, megatron_sources=plan.megatron_sources,
+                        agreement=agreed)
     write_report(result, work)
     outdir.publish(work, final)
     return result

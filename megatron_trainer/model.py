@@ -22,13 +22,14 @@ import torch.nn.functional as F
 from trainerkit.config import RunConfig
 from trainerkit import names
 
-from . import faults
+from . import faults, options
 
 
 def transformer_config(cfg: RunConfig):
     """megatron's MLATransformerConfig for `cfg` (Megatron names map one to one; the rest pinned here).
 
-    Pinned, with why: ``overlap_p2p_comm=True, batch_p2p_comm=False`` (on gloo megatron's default batched p2p
+    The case's ``megatron:`` options (`options.for_config`) override any of these.  Pinned, with why:
+    ``overlap_p2p_comm=True, batch_p2p_comm=False`` (on gloo megatron's default batched p2p
     pairs the wrong messages at P=2 V=2 and deadlocks at P=4 with a standalone MTP stage; Megatron-LM's
     default with virtual stages anyway); ``rope_type="rope"`` (plain RoPE, as the reference; MLA's default is
     YaRN); the seq aux loss and sigmoid router of DeepSeek-V3 §2.1.2; the alltoall dispatcher; no bias, no
@@ -44,7 +45,7 @@ def transformer_config(cfg: RunConfig):
     # runs it in fp32 on CPU (as the reference trainer does): the config is validated as bf16, then set to fp32.
     # Nothing else in __post_init__ reads bf16 unless disable_bf16_reduced_precision_matmul is set (it is not).
     relax = par.overlap_moe_expert_parallel_comm and not bf16
-    config = MLATransformerConfig(
+    kwargs = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.v_head_dim,
         q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
@@ -75,6 +76,9 @@ def transformer_config(cfg: RunConfig):
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, cross_entropy_loss_fusion=False, deterministic_mode=True,
     )
+    # the case's own megatron options (`options`) over bitparity's: Megatron-LM's arguments reach the config by
+    # field name
+    config = MLATransformerConfig(**{**kwargs, **options.for_config(cfg, "MLATransformerConfig")})
     if relax:
         config.bf16 = False
     return config
@@ -86,7 +90,8 @@ def _virtual_size(cfg: RunConfig):
 
     par, m = cfg.parallel, cfg.model
     layout = PipelineLayout.from_string(par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size,
-                                        m.num_layers, m.mtp_num_layers)
+                                        m.num_layers, m.mtp_num_layers,
+                                        megatron_rules_only=par.layout_rules == "megatron")
     v = layout.virtual_pipeline_model_parallel_size
     return v if v > 1 else None
 

@@ -31,7 +31,7 @@ from trainerkit import names
 from trainerkit.capture import FORMAT, TraceWriter, dump_tensors, scalar
 from trainerkit.fingerprint import fingerprint_hex_many
 
-from . import compat, faults
+from . import compat, faults, options
 from .coverage import OverlapCounter
 from .model import build_chunks, embedding_ranks, expert_biases, global_parameters, transformer_config
 
@@ -158,14 +158,15 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     t, m, par = cfg.training, cfg.model, cfg.parallel
     config = transformer_config(cfg)
     ps.initialize_model_parallel(1, par.pipeline_model_parallel_size,
                                  virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
                                  expert_model_parallel_size=par.expert_model_parallel_size,
-                                 get_embedding_ranks=faults.embedding_ranks(cfg.inject, embedding_ranks(config)))
+                                 get_embedding_ranks=faults.embedding_ranks(cfg.inject, embedding_ranks(config)
+                                                                            if options.loop(cfg)["get_embedding_ranks"]
+                                                                            == "pretrain_gpt" else None))
     if ps.get_data_parallel_world_size() != par.data_parallel_size:
         raise RuntimeError(f"megatron made data_parallel_size {ps.get_data_parallel_world_size()}, the run asks for "
                            f"{par.data_parallel_size}")
@@ -181,22 +182,21 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     with torch.no_grad():
         # replicas take their logical name's values: the MTP stage's embedding starts equal to the first stage's
         init_parameters(((gp.name, gp.param) for gp in params), m, t.seed)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
+                                                  "use_distributed_optimizer": False,
+                                                  **options.for_config(cfg, "DistributedDataParallelConfig")})
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
              for i, c in enumerate(chunks)]
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr, weight_decay=t.weight_decay,
-                        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-                        clip_grad=t.clip_grad, bf16=cfg.params_dtype == "bfloat16",
-                        params_dtype=config.params_dtype, use_distributed_optimizer=False), model)
+        OptimizerConfig(**{"optimizer": "adam", "lr": t.lr, "min_lr": t.lr, "weight_decay": t.weight_decay,
+                           "adam_beta1": t.adam_beta1, "adam_beta2": t.adam_beta2, "adam_eps": t.adam_eps,
+                           "clip_grad": t.clip_grad, "bf16": cfg.params_dtype == "bfloat16",
+                           "params_dtype": config.params_dtype, "use_distributed_optimizer": False,
+                           **options.for_config(cfg, "OptimizerConfig")}), model)
     # Megatron-LM's training loop steps an OptimizerParamScheduler after every update; it is also what turns the
     # parameter groups' wd_mult (0 for norms and biases: optimizer.get_standard_config_overrides) into the
     # groups' weight_decay.  Without it torch's AdamW would decay every parameter at config.weight_decay.
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=t.lr, max_lr=t.lr, min_lr=t.lr, lr_warmup_steps=0, lr_decay_steps=t.train_iters,
-        lr_decay_style="constant", start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.train_iters,
-        wd_incr_style="constant")
+    scheduler = options.scheduler(optimizer, cfg)
     config.finalize_model_grads_func = faults.finalize(cfg.inject, finalize_model_grads)
     config.grad_scale_func = optimizer.scale_loss
     masters = _master_params(optimizer)

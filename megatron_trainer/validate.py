@@ -18,13 +18,17 @@ from typing import Optional
 
 from trainerkit.config import RunConfig
 
-from . import source
+from . import options, source
 
 
 def config_problem(config: RunConfig) -> Optional[str]:
-    """megatron's own ``MLATransformerConfig`` validation of `config`'s model and layout, as one line (None
-    when megatron accepts it).  Imports the megatron this process imports."""
+    """megatron's own validation of `config`'s model, layout and ``megatron:`` options (`options.problem`:
+    ``MLATransformerConfig``, ``OptimizerConfig``, ``DistributedDataParallelConfig``, the scheduler), as one line
+    (None when megatron accepts it).  Imports the megatron this process imports."""
     from .model import transformer_config
+
+    if config.megatron:
+        return options.problem(config, transformer_config)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

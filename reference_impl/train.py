@@ -27,6 +27,7 @@ from .probe import Probe
 from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
 from trainerkit.layout import PipelineLayout
 from .model.chunk import Microbatch, StageChunk
+from .model.losses import scale_by_tokens
 from .model.expert_parallel import ExpertParallel
 from .model.moe import Router
 from .optimizer import AdamW
@@ -66,8 +67,13 @@ class RankState:
         self.weight_decay: dict[str, bool] = {}
         for chunk in self.chunks.values():
             named = list(chunk.global_parameters())
+            chunk.per_token_loss = bool(cfg.megatron_option("calculate_per_token_loss", False))
             for layer in chunk.moe_layers():
-                layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)
+                # per-token loss: megatron multiplies the aux loss by the microbatch's token count (the router's
+                # activation.shape[0]: no padding mask is passed) and divides every gradient by the step's loss
+                # token count (moe/router.py attach_and_log_load_balancing_loss, finalize_model_grads)
+                layer.aux_loss_scale = float(t.seq_length * t.micro_batch_size) if chunk.per_token_loss else \
+                    1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)
                 layer.set_expert_parallel(self.ep, faults.ep_unsorted_dispatch(cfg.inject))
             kept = {id(p) for p in chunk.parameters()}
             named = [(name, replica, p) for name, replica, p in named if id(p) in kept]
@@ -178,6 +184,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
                for m in range(t.num_microbatches)]
         outs = executor.run(actions, mbs)
         sync_embedding()
+        if cfg.megatron_option("calculate_per_token_loss", False):
+            scale_by_tokens([p.main_grad for *_, p, _ in state.params], int(sum(mb.loss_mask.sum() for mb in mbs)))
         for chunk in state.chunks.values():
             for layer in chunk.moe_layers():
                 layer.router.update_expert_bias()

@@ -39,12 +39,12 @@ def _trace(losses, grad_norm=None):
 
 def test_first_nonfinite_names_the_first_loss_or_norm_in_step_order():
     assert first_nonfinite(_trace([[(1.0, [2.0]), (1.5, [2.5])]], grad_norm=[3.0])) is None
-    assert first_nonfinite(_trace([[(1.0, [2.0]), (1.5, [math.nan])], [(math.nan, [1.0])]])) == \
+    assert str(first_nonfinite(_trace([[(1.0, [2.0]), (1.5, [math.nan])], [(math.nan, [1.0])]]))) == \
         "step 0 microbatch 1: mtp_1 loss is nan"
     # a grad norm is checked after the step's losses, before the next step's
-    assert first_nonfinite(_trace([[(1.0, [2.0])], [(math.nan, [1.0])]], grad_norm=[math.inf, 1.0])) == \
+    assert str(first_nonfinite(_trace([[(1.0, [2.0])], [(math.nan, [1.0])]], grad_norm=[math.inf, 1.0]))) == \
         "step 0: grad norm is inf"
-    assert first_nonfinite(_trace([[(1.0, [])], [(-math.inf, [])]])) == "step 1 microbatch 0: lm loss is -inf"
+    assert str(first_nonfinite(_trace([[(1.0, [])], [(-math.inf, [])]]))) == "step 1 microbatch 0: lm loss is -inf"
 
 
 @pytest.mark.slow

@@ -132,7 +132,8 @@ def test_summary_dict_schema_and_values(result):
     s = report.summary_dict(result)
     assert {"case", "baseline", "elapsed_s", "variants"} <= set(s)
     assert set(s) <= {"case", "baseline", "elapsed_s", "variants", "all_pass", "cross_implementation", "golden",
-                      "megatron_sources", "environment"}
+                      "megatron_sources", "agreement", "environment"}
+    assert s["agreement"] == {}         # not computed (harness.agreement; tests/test_agreement.py)
     assert s["case"] == "dsv3_small"
     assert s["baseline"] == "baseline"
     assert s["elapsed_s"] == 66.75

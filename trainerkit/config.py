@@ -152,6 +152,25 @@ class DataConfig(_Strict):
     (`prefix.bin` + `prefix.idx`, MMIDIDX format): its token ids."""
 
     path: Optional[str] = None
+    # Megatron-LM's data path masks padding out of the loss (GPTDataset: loss_mask 0 where the label is the pad
+    # token).  A row starts close to its document's end with this probability, so its tail is padded and masked
+    # (0.25: one row in four, what every existing case and golden was recorded with).
+    pad_fraction: float = Field(0.25, ge=0.0, le=1.0)
+    # [step, global microbatch] pairs whose loss mask is all zero (no loss-bearing token: a fully padded or
+    # prompt-only sample, as SFT data makes them): the 0/0 of a per-microbatch token-count normalisation.
+    empty_microbatches: list[list[int]] = Field(default_factory=list, max_length=4096)
+
+    @field_validator("empty_microbatches")
+    @classmethod
+    def _empty(cls, v):
+        for i, entry in enumerate(v):
+            if len(entry) != 2 or min(entry) < 0:
+                raise ValueError(f"entry {i} {entry}: write [step, microbatch], both >= 0")
+        return v
+
+    def is_empty(self, step: int, microbatch: int) -> bool:
+        """Whether global microbatch `microbatch` of `step` has no loss-bearing token."""
+        return [step, microbatch] in self.empty_microbatches
 
 
 class TrainingConfig(_Strict):
@@ -179,6 +198,11 @@ class TrainingConfig(_Strict):
         if tokens > MAX_TOKENS_PER_MICROBATCH:      # each rank holds a microbatch's activations
             raise ValueError(f"seq_length*micro_batch_size={tokens} exceeds {MAX_TOKENS_PER_MICROBATCH} tokens "
                              "per microbatch")
+        # a microbatch the run never reaches is a typo, which would pass silently (the data-parallel bound on the
+        # microbatch index is checked with the run's placement: `check_data_parallel_microbatches`)
+        late = [e for e in self.data.empty_microbatches if e[0] >= self.train_iters]
+        if late:
+            raise ValueError(f"data.empty_microbatches {list(late[0])}: the run has steps 0..{self.train_iters - 1}")
         return self
 
 
@@ -200,6 +224,9 @@ class ParallelConfig(_Strict):
     # input gradients of their node (model/linear.py)
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
+    # megatron: only megatron's own layout rules (megatron-core trainer; `PipelineLayout.megatron_rules_only`),
+    # to run a layout megatron accepts and trains wrong (cases/megatron-upstream-bugs.yaml)
+    layout_rules: Literal["bitparity", "megatron"] = "bitparity"
 
     @property
     def world_size(self) -> int:
@@ -228,6 +255,18 @@ def check_expert_parallel(model: ModelConfig, training: TrainingConfig, parallel
     if tokens % ep:
         raise ValueError(f"seq_length*micro_batch_size={tokens} is not divisible by expert_model_parallel_size={ep} "
                          "(each EP rank dispatches an equal contiguous shard of a microbatch's tokens)")
+
+
+def check_data_parallel_microbatches(training: TrainingConfig, parallel: ParallelConfig) -> None:
+    """Every ``data.empty_microbatches`` entry names a global microbatch of a step (num_microbatches x DP).
+
+    Raises:
+        ValueError: one line naming the entry."""
+    n = training.num_microbatches * parallel.data_parallel_size
+    for step, mb in training.data.empty_microbatches:
+        if mb >= n:
+            raise ValueError(f"data.empty_microbatches [{step}, {mb}]: a step has global microbatches 0..{n - 1} "
+                             "(num_microbatches x data_parallel_size)")
 
 
 class DumpConfig(_Strict):
@@ -275,12 +314,25 @@ class RunConfig(_Strict):
     # the site-packages of an installed release): put first on the rank's sys.path before megatron is imported.
     # None: the one the interpreter imports.  Two sources in one case (`verify --megatron-base`) compare them.
     megatron_path: Optional[str] = None
+    # megatron's own options by Megatron-LM's argument names (`megatron_trainer.options`): any field of its
+    # TransformerConfig / MLATransformerConfig, OptimizerConfig, DistributedDataParallelConfig, the training
+    # loop's (learning-rate and weight-decay schedule) and get_embedding_ranks; validated by megatron itself.
+    megatron: dict[str, Union[bool, int, float, str, None, list[Union[bool, int, float, str]]]] = \
+        Field(default_factory=dict, max_length=256)
     rank_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S)  # gloo collective / p2p timeout inside ranks
 
     @model_validator(mode="after")
     def _expert_parallel(self):
         check_expert_parallel(self.model, self.training, self.parallel)
+        check_data_parallel_microbatches(self.training, self.parallel)
+        bad = next((k for k in self.megatron if not re.fullmatch(r"[a-z_][a-z0-9_]{0,99}", k)), None)
+        if bad is not None:
+            raise ValueError(f"megatron option {bad!r}: Megatron-LM's argument names are lower_case_with_underscores")
         return self
+
+    def megatron_option(self, name: str, default=None):
+        """The case's value of megatron option `name`, or `default` when the case leaves it out."""
+        return self.megatron.get(name, default)
 
 
 def overlap_problem(model: ModelConfig, overlap: bool, delay_wgrad: bool) -> Optional[str]:

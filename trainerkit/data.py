@@ -112,7 +112,9 @@ class TokenDataset:
 
     Row r of microbatch m of step k: a document and start offset drawn from
     ``Generator(PCG64(SeedSequence([seed, k, m, r])))``; tokens = x[:-1], labels = x[1:], loss_mask = 1 where
-    the label is a real token.
+    the label is a real token.  With probability ``cfg.pad_fraction`` the row starts close to its document's
+    end (its tail padded and masked); a microbatch in ``cfg.empty_microbatches`` has its tokens and labels as
+    drawn and a loss mask of zeros.
     """
 
     def __init__(self, cfg: DataConfig, seed: int, seq_length: int, micro_batch_size: int, vocab_size: int):
@@ -122,13 +124,14 @@ class TokenDataset:
             raise DataError(f"data.path {cfg.path}: negative token id {low}")
         if top >= vocab_size:
             raise DataError(f"data.path {cfg.path or text.NAME}: token id {top} >= vocab_size {vocab_size}")
-        self.seed, self.s, self.b = seed, seq_length, micro_batch_size
+        self.seed, self.s, self.b, self.cfg = seed, seq_length, micro_batch_size, cfg
 
     def _row(self, step: int, mb: int, row: int) -> np.ndarray:
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, step, mb, row])))
         doc = self.docs[int(rng.integers(len(self.docs)))]
-        # One row in four starts close to its document's end, so it is padded and partly masked.
-        if rng.random() < 0.25:
+        # a row that starts close to its document's end is padded and partly masked (the draw is made whatever
+        # the fraction, so the other rows' offsets do not depend on it)
+        if rng.random() < self.cfg.pad_fraction:
             start = max(0, doc.size - int(rng.integers(2, self.s + 1)))
         else:
             start = int(rng.integers(max(1, doc.size - self.s)))
@@ -141,4 +144,7 @@ class TokenDataset:
         """(tokens [b, s] int64, labels [b, s] int64, loss_mask [b, s] fp32) on the CPU."""
         rows = np.stack([self._row(step, mb, r) for r in range(self.b)])
         tokens, labels = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
-        return tokens, labels, (labels != 0).float()
+        mask = (labels != 0).float()
+        if self.cfg.is_empty(step, mb):
+            mask.zero_()
+        return tokens, labels, mask

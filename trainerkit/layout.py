@@ -172,20 +172,24 @@ class PipelineLayout:
     virtual_pipeline_model_parallel_size: int
     num_layers: int
     mtp_num_layers: int
+    # True: only the rules megatron itself enforces.  bitparity also refuses MTP on pp rank 0 (P > 1), a layout
+    # megatron accepts and trains wrong (its validator checks only rank 0's non-last chunks; the embedding group
+    # is then one rank and the MTP stage's embedding replica is never summed): a case that states that bug runs it.
+    megatron_rules_only: bool = False
 
     @classmethod
     def from_string(cls, text: str | list, pipeline_model_parallel_size: int, num_layers: int,
-                    mtp_num_layers: int = 0) -> "PipelineLayout":
+                    mtp_num_layers: int = 0, megatron_rules_only: bool = False) -> "PipelineLayout":
         """Parse + validate (Megatron's `PipelineParallelLayerLayout.from_str` + `validate_layer_layout`).
 
         List input is accepted like Megatron's; `text` then holds its canonical string. Raises LayoutError
-        naming the broken rule and where (flat stage index, pp/vpp rank).
+        naming the broken rule and where (flat stage index, pp/vpp rank).  `megatron_rules_only`: see the field.
         """
         stages = tuple(tuple(s) for s in parse_layout(text))
         shown = text if isinstance(text, str) else "|".join("".join(s) for s in stages)
         P = pipeline_model_parallel_size
         V = len(stages) // P if isinstance(P, int) and P >= 1 else 0
-        return cls(shown, stages, P, V, num_layers, mtp_num_layers)
+        return cls(shown, stages, P, V, num_layers, mtp_num_layers, megatron_rules_only)
 
     def __post_init__(self):
         P, V, n = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size, len(self.stages)
@@ -221,8 +225,9 @@ class PipelineLayout:
             if vpp != V - 1:
                 fail(f"MTP stage {self._at(m)} must be the last virtual stage of its pp rank (vpp{V - 1})")
             # Megatron only checks rank 0's non-last chunks; with P == 1 rank 0 is also the last rank, so it is allowed.
-            if pp == 0 and P > 1:
-                fail(f"MTP stage {self._at(m)} must not be on pp rank 0")
+            if pp == 0 and P > 1 and not self.megatron_rules_only:
+                fail(f"MTP stage {self._at(m)} must not be on pp rank 0 (megatron accepts it, then never sums that "
+                     "stage's embedding replica; a variant with layout_rules: megatron runs it to show that)")
         # Megatron checks E/L in flattened order only, but builds the embedding on the first stage and the loss
         # on the last whatever the string says (pre_process / post_process follow the stage position): empty
         # stages before E or after L would put them elsewhere, and every rank would fail.

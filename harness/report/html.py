@@ -19,9 +19,8 @@ from .chart_evidence import family_tables
 from .chart_loss import group_rows, loss_curves_svg, loss_groups
 from .matrix import verdict_matrix
 from .summary_json import json_safe
-from .words import (OUTCOME_STYLE, card_anchors, clean_text, clip_words, divergence_words, format_elapsed,
-                    megatron_source_words,
-                    is_relative_link, run_dir_of)
+from .words import (OUTCOME_STYLE, agreement_splits, card_anchors, clean_text, clip_words, divergence_words,
+                    format_elapsed, megatron_source_words, is_relative_link, run_dir_of)
 
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
 TEMPLATE_NAME = "report.html.j2"
@@ -53,9 +52,10 @@ def environment() -> jinja2.Environment:
 
 
 def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -> str:
-    """The self-contained ``index.html`` page: verdict matrix first, then the run list, loss curves (grouped
-    where bitwise identical), lm-loss bits, grad norm & clipping, mismatch counts, one card per run, the
-    environment.
+    """The self-contained ``index.html`` page: in the header, when the runs split into bitwise-equal groups,
+    which runs agree with which (and whether the baseline may be the odd one out); then the verdict matrix,
+    the run list, loss curves (grouped where bitwise identical), lm-loss bits, grad norm & clipping, mismatch
+    counts, one card per run, the environment.
 
     `report_dir`, when given, is the directory the page is written to: the runs' ``trace.json`` files there
     (under each ``run_dir``) give the parameter counts of the "Structural checks" blocks
@@ -73,6 +73,7 @@ def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -
         all_pass=result.all_pass,
         counts=counts,
         golden=golden if isinstance(golden, dict) and golden else None,
+        agreement=_agreement(result, anchors),
         matrix=verdict_matrix(result, anchors),
         symbols=SYMBOLS,
         cards=card_data,
@@ -84,6 +85,13 @@ def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -
         cross=sections.cross_section(result.cross_implementation),
         environment=sorted((result.environment or {}).items(), key=lambda kv: str(kv[0])),
     )
+
+
+def _agreement(result: CaseResult, anchors: dict) -> list[dict]:
+    """`agreement_splits` with each class's runs as (name, card anchor or None) for the header's links."""
+    by_name = {v.name: anchors[i] for i, v in enumerate(result.variants)}
+    return [{**c, "classes": [{**k, "members": [(n, by_name.get(n)) for n in k["runs"]]} for k in c["classes"]]}
+            for c in agreement_splits(getattr(result, "agreement", None))]
 
 
 def render_run_page(result: CaseResult, index: int, report_dir: Optional[pathlib.Path] = None) -> str:

@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 from harness.results import CaseResult
 
-from .words import (canonical_words, clean_text, clip_words, divergence_words, format_elapsed, golden_of,
-                    golden_words, megatron_source_words, outside_lines)
+from .words import (agreement_splits, canonical_words, clean_text, clip_words, divergence_words, format_elapsed,
+                    golden_of, golden_words, megatron_source_words, outside_lines)
 
 #: Lines of differences outside the signature listed per failing variant (the rest in the report).
 MAX_OUTSIDE_LINES = 5
@@ -39,6 +39,8 @@ def md_cell(s: Any) -> str:
 def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str:
     """A short Markdown verdict table for a CI job page, with a link to the HTML report.
 
+    Above the table, only when the runs of a computation split into bitwise-equal groups
+    (`agreement_markdown`): which runs agree with which, and a warning when the baseline may be the odd one out.
     Columns: variant, layout, P, V, reductions, clip, expect, verdict (+ outcome words), first divergence.
     Under the table: the first differences in canonical order where they name another tensor than the
     dataflow-first one, and the differences outside the expected signature of each failing variant (at most
@@ -59,6 +61,7 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         + "".join(f" · trainer {md_cell(t)}" for t in sorted({v.trainer for v in result.variants} - {"reference"}))
         + f" · {format_elapsed(result.elapsed_s)}",
     ]
+    lines += agreement_markdown(getattr(result, "agreement", None), result.baseline)
     golden = getattr(result, "golden", None)
     if isinstance(golden, dict) and golden:
         verdict = _VERDICT_MD.get(golden.get("verdict"), md_cell(golden.get("verdict")))
@@ -116,6 +119,22 @@ def _notes(result: CaseResult) -> list[str]:
     if golden:
         out += ["", "Golden trace comparison, runs that are not equal to it:"]
         out += [f"- {md_cell(v.name)}: {md_cell(golden_words(g))}" for v, g in golden]
+    return out
+
+
+def agreement_markdown(agreement, baseline: str) -> list[str]:
+    """Lines for the runs that split into bitwise-equal groups ([] when nothing is split): per split computation
+    its warning (when the baseline or another reference run may be the odd one out), then one list item per
+    group, largest first."""
+    out = []
+    for c in agreement_splits(agreement):
+        if c["warning"]:
+            out += ["", f"⚠️ {md_cell(c['warning'])}"]
+        label = f" ({md_cell(c['label'])})" if c["label"] else ""
+        out += ["", f"Runs that agree bit for bit{label}, {len(c['classes'])} groups:"]
+        for k in c["classes"]:
+            names = ", ".join(md_cell(n) + (" (baseline)" if n == baseline else "") for n in k["runs"])
+            out.append(f"- {len(k['runs'])} run{'s' if len(k['runs']) != 1 else ''}: {names}")
     return out
 
 

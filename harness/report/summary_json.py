@@ -116,6 +116,11 @@ def summary_dict(result: CaseResult) -> dict:
          "megatron_sources": None | {"head": {"path": str, "version": str, "commit": str|None,
                                                "modified": bool|None}, "base": {...}, "same": bool
                                                (with --megatron-base)},
+         "agreement": {} | {"split": bool, "computations": [{"label": str, "key": str, "split": bool,
+                                                             "warning": str|None,
+                                                             "classes": [{"runs": [str], "size": int,
+                                                                          "has_baseline": bool}]}],
+                            "errored": [str]}  (harness.agreement),
          "environment": {...}}
 
     Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the
@@ -133,10 +138,16 @@ def summary_dict(result: CaseResult) -> dict:
     divergence's signature ([] when none or not checked); ``golden`` is the comparison with a golden trace
     (``{}`` when not asked).  ``detail_page`` / ``schedule_trace`` are the variant's detail page and Chrome
     trace, relative to the report directory (None without a run directory or a planned timeline).
+    ``agreement`` groups the runs that compute the same thing (same computation key: the run without its
+    placement) into classes of bitwise-equal traces, whatever each was compared with: ``label`` names the
+    options that tell a computation from the others (``""`` for a single one), classes come largest first, and
+    ``warning`` says when a reference run (the baseline, or a ``compare_to`` target) stands in a smaller class
+    than the largest, i.e. may be the odd one out; ``{}`` when not computed.
     Non-finite numbers are written as strings so the file stays strict JSON.
     """
     golden = getattr(result, "golden", None)
     sources = getattr(result, "megatron_sources", None)
+    agreement = getattr(result, "agreement", None)
     return {
         "case": str(result.case),
         "baseline": str(result.baseline),
@@ -146,5 +157,6 @@ def summary_dict(result: CaseResult) -> dict:
         "cross_implementation": json_safe(dict(result.cross_implementation)) if result.cross_implementation else None,
         "golden": json_safe(dict(golden)) if isinstance(golden, dict) else None,
         "megatron_sources": json_safe(dict(sources)) if isinstance(sources, dict) else None,
+        "agreement": json_safe(dict(agreement)) if isinstance(agreement, dict) else {},
         "environment": json_safe(dict(result.environment or {})),
     }

@@ -212,6 +212,24 @@ def run_to_run_words(rr: Any) -> str:
     return f"{runs} runs bitwise equal" if runs is not None else (detail or "runs bitwise equal")
 
 
+def agreement_splits(agreement: Any) -> list[dict]:
+    """The computations of `CaseResult.agreement` (`harness.agreement.groups`) whose runs split into several
+    bitwise-equal classes, for the first screen: ``[{"label": str, "warning": str, "classes": [{"runs": [str],
+    "has_baseline": bool}]}]`` (text cleaned, ``warning`` "" when none); [] when nothing is split, the
+    grouping was not computed, or it is malformed."""
+    comps = agreement.get("computations") if isinstance(agreement, dict) else None
+    out = []
+    for c in comps if isinstance(comps, list) else []:
+        classes = c.get("classes") if isinstance(c, dict) else None
+        if not isinstance(classes, list) or len(classes) < 2:
+            continue
+        out.append({"label": clean_text(c.get("label") or ""), "warning": clean_text(c.get("warning") or ""),
+                    "classes": [{"runs": [clean_text(n) for n in k.get("runs") or []],
+                                 "has_baseline": k.get("has_baseline") is True}
+                                for k in classes if isinstance(k, dict)]})
+    return out
+
+
 # ------------------------------------------------------------------------------------- outcomes
 
 #: Outcome (`harness.results.Outcome`) -> (css class, symbol in a matrix cell, legend words).  The class

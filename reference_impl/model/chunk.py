@@ -53,6 +53,7 @@ class StageChunk(nn.Module):
                  separate_mtp_embedding: bool = False, inject: Optional[str] = None):
         super().__init__()
         self.cfg, self.flat, self.num_microbatches, self.inject = cfg, flat, num_microbatches, inject
+        self.per_token_loss = False      # Megatron's calculate_per_token_loss (`losses.lm_and_mtp_loss`)
         self.symbols = symbols = layout.stages[flat]
         self.has_embedding_input = "E" in symbols
         self.has_mtp = bool(layout.mtp_layer_ids(flat))
@@ -149,7 +150,7 @@ class StageChunk(nn.Module):
                 st["out"] = lm_and_mtp_loss(self.output_layer, h, mb.labels, mb.loss_mask, self.cfg.mtp_num_layers,
                                             self.cfg.mtp_loss_scaling_factor,
                                             faults.loss_divisor(self.inject, self.num_microbatches),
-                                            inject=self.inject)
+                                            inject=self.inject, per_token=self.per_token_loss)
             else:
                 # an empty stage passes its input on as a new tensor, like Megatron's empty TransformerBlock
                 st["out"] = h if computed else h.clone()

@@ -1,0 +1,200 @@
+"""Megatron's own options in a case (`RunConfig.megatron`), by Megatron-LM's argument names.
+
+Megatron-LM builds its configs from its arguments by field name (``training/arguments.py``:
+``core_transformer_config_from_args``; ``training/training.py``: ``get_megatron_optimizer_config``, the
+``DistributedDataParallelConfig`` of ``get_model``): an argument reaches every config dataclass that has a field
+of its name.  So does a case's ``megatron:`` mapping here — ``MLATransformerConfig``, ``OptimizerConfig``,
+``DistributedDataParallelConfig`` — plus the training loop's own options (`LOOP`: the learning-rate and
+weight-decay schedule of ``get_optimizer_param_scheduler``, and which ranks hold the word embedding,
+``get_embedding_ranks``).
+
+Refused, one line naming the key, before anything runs (`problem`): a name no config has (with the nearest
+names), a name bitparity's own schema sets (`owner`: say it there, once), a field a YAML value cannot be
+(callables, dtypes, process groups), a value of the wrong type, and whatever megatron's own validators
+(``__post_init__``, ``OptimizerParamScheduler``) reject, attributed to the option that makes them reject it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import warnings
+from typing import Optional
+
+from trainerkit.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+
+#: The training loop's options (Megatron-LM arguments.py) and bitparity's defaults for them: a constant learning
+#: rate and weight decay (what every case without them trains with).  ``lr_decay_iters`` None: train_iters.
+#: ``get_embedding_ranks``: ``pretrain_gpt`` (Megatron-LM's: first stage and the MTP stages) or
+#: ``parallel_state`` (megatron-core's ``default_embedding_ranks``: first and last rank, MTP-unaware).
+LOOP = {"lr_decay_style": "constant", "lr_warmup_iters": 0, "lr_decay_iters": None, "lr_warmup_init": 0.0,
+        "start_weight_decay": None, "end_weight_decay": None, "weight_decay_incr_style": "constant",
+        "get_embedding_ranks": "pretrain_gpt"}
+_LOOP_TYPES = {"lr_decay_style": str, "lr_warmup_iters": int, "lr_decay_iters": Optional[int],
+               "lr_warmup_init": float, "start_weight_decay": Optional[float], "end_weight_decay": Optional[float],
+               "weight_decay_incr_style": str, "get_embedding_ranks": str}
+EMBEDDING_RANKS = ("pretrain_gpt", "parallel_state")
+
+#: Megatron names that bitparity's own configuration decides, and where a case says them.
+_DERIVED = {
+    "tensor_model_parallel_size": "bitparity runs TP = 1",
+    "virtual_pipeline_model_parallel_size": "it follows from the variant's pipeline_model_parallel_layout",
+    "params_dtype": "the case's params_dtype", "bf16": "the case's params_dtype", "fp16": "the case's params_dtype",
+    "pipeline_dtype": "the case's params_dtype", "kv_channels": "model.v_head_dim",
+    "perform_initialization": "bitparity initialises every parameter by its global name (trainerkit.init)",
+    "use_cpu_initialization": "bitparity initialises every parameter by its global name (trainerkit.init)",
+    "use_distributed_optimizer": "not supported: the trainer reads the plain optimizer's master weights",
+    "optimizer": "bitparity trains with Adam (both trainers)",
+    "num_microbatches": "training.num_microbatches", "seed": "training.seed",
+}
+# a YAML scalar or list can be one of these; a Callable, torch.dtype or ProcessGroup field cannot
+_PLAIN = {"Optional", "Union", "List", "list", "Tuple", "tuple", "Literal", "bool", "int", "float", "str", "None",
+          "NoneType", "typing", "Any"}
+
+
+def owner(name: str) -> Optional[str]:
+    """Where bitparity's schema sets megatron option `name` (e.g. ``model.hidden_size``), or None."""
+    if name in _DERIVED:
+        return _DERIVED[name]
+    for section, cls in (("model", ModelConfig), ("training", TrainingConfig)):
+        if name in cls.model_fields and name not in ("data",):
+            return f"{section}.{name}"
+    if name in ParallelConfig.model_fields:
+        return f"the variant's {name}"
+    return None
+
+
+def _classes() -> dict:
+    """{label: megatron config dataclass} of the installed megatron, in the order options are applied."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    return {"MLATransformerConfig": MLATransformerConfig, "OptimizerConfig": OptimizerConfig,
+            "DistributedDataParallelConfig": DistributedDataParallelConfig}
+
+
+def _fields(cls) -> dict:
+    return {f.name: f.type for f in dataclasses.fields(cls)}
+
+
+def for_config(cfg: RunConfig, label: str) -> dict:
+    """The case's options that are fields of megatron's config `label` (a key of `_classes`), as given."""
+    fields = _fields(_classes()[label])
+    return {k: v for k, v in cfg.megatron.items() if k in fields}
+
+
+def loop(cfg: RunConfig) -> dict:
+    """The training loop's options (`LOOP`) with the case's values over bitparity's defaults, and ``min_lr``
+    (an OptimizerConfig field the scheduler reads too; default: training.lr, a constant rate)."""
+    out = {k: cfg.megatron.get(k, v) for k, v in LOOP.items()}
+    out["min_lr"] = cfg.megatron.get("min_lr", cfg.training.lr)
+    return out
+
+
+def _plain(annotation) -> bool:
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "", str(annotation))      # Literal['a', 'b'] -> Literal[, ]
+    words = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text.replace("<class ", "")))
+    return words <= _PLAIN
+
+
+def _type_problem(name: str, annotation, value) -> Optional[str]:
+    from pydantic import TypeAdapter, ValidationError
+    if not _plain(annotation):
+        return f"megatron option {name!r}: its type ({annotation}) is not a value a case file can give"
+    try:
+        TypeAdapter(annotation).validate_python(value, strict=True) if not isinstance(value, int) else \
+            TypeAdapter(annotation).validate_python(value)       # an int may stand for a float (YAML `0`)
+    except ValidationError as e:
+        return f"megatron option {name!r}: {value!r} is not a {annotation} ({e.errors()[0]['msg']})"
+    except Exception:       # an annotation pydantic cannot build a validator for: let megatron decide
+        return None
+    return None
+
+
+def _unknown(name: str, known: set) -> str:
+    near = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.75)
+    hint = f" (did you mean {', '.join(near)}?)" if near else ""
+    return (f"megatron option {name!r} is not a field of megatron's {', '.join(_classes())} nor a training-loop "
+            f"option ({', '.join(LOOP)}){hint}")
+
+
+def names_problem(cfg: RunConfig) -> Optional[str]:
+    """The first option that no megatron config has, that bitparity's schema sets, or whose value cannot have
+    its field's type, in one line (None when every name and type is one megatron takes)."""
+    fields: dict = {}
+    for cls in _classes().values():
+        fields.update(_fields(cls))
+    for name, value in cfg.megatron.items():
+        where = owner(name)
+        if where is not None:
+            return f"megatron option {name!r} is bitparity's to set: {where}"
+        if name in LOOP:
+            problem = _type_problem(name, _LOOP_TYPES[name], value)
+        elif name in fields:
+            problem = _type_problem(name, fields[name], value)
+        else:
+            return _unknown(name, set(fields) | set(LOOP))
+        if problem:
+            return problem
+    ranks = cfg.megatron.get("get_embedding_ranks", "pretrain_gpt")
+    if ranks not in EMBEDDING_RANKS:
+        return f"megatron option 'get_embedding_ranks': {ranks!r} is not one of {', '.join(EMBEDDING_RANKS)}"
+    return None
+
+
+def scheduler(optimizer, cfg: RunConfig):
+    """Megatron-LM's ``get_optimizer_param_scheduler`` at iteration granularity (one step per iteration: the
+    schedule is a function of step ratios, which megatron's sample-based counting leaves unchanged) with the
+    case's `loop` options.  It also turns each parameter group's ``wd_mult`` into its weight decay (0 for norms
+    and biases) and a ``decoupled_lr`` group's max/min lr into its lr.
+
+    Raises:
+        AssertionError: megatron's own checks (e.g. min_lr > lr, warmup >= decay steps)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t, o = cfg.training, loop(cfg)
+    wd_start = o["start_weight_decay"] if o["start_weight_decay"] is not None else t.weight_decay
+    wd_end = o["end_weight_decay"] if o["end_weight_decay"] is not None else t.weight_decay
+    return OptimizerParamScheduler(
+        optimizer, init_lr=o["lr_warmup_init"], max_lr=t.lr, min_lr=o["min_lr"], lr_warmup_steps=o["lr_warmup_iters"],
+        lr_decay_steps=o["lr_decay_iters"] or t.train_iters, lr_decay_style=o["lr_decay_style"], start_wd=wd_start,
+        end_wd=wd_end, wd_incr_steps=t.train_iters, wd_incr_style=o["weight_decay_incr_style"])
+
+
+def problem(cfg: RunConfig, build_transformer_config) -> Optional[str]:
+    """Why megatron rejects `cfg`'s options, in one line naming the option (None when it takes them).
+
+    `build_transformer_config(cfg)` is the trainer's (`model.transformer_config`): megatron's
+    ``__post_init__`` validators run on the config the ranks will build.  A rejection that goes away without
+    the case's options is pinned on the first option that alone brings it back (else on all of them)."""
+    problem = names_problem(cfg)
+    if problem:
+        return problem
+    error = _build_error(cfg, build_transformer_config)
+    if error is None or not cfg.megatron:
+        return error
+    if _build_error(cfg.model_copy(update={"megatron": {}}), build_transformer_config) is not None:
+        return error            # not the options' doing: megatron rejects the run itself
+    culprit = next((k for k, v in cfg.megatron.items()
+                    if _build_error(cfg.model_copy(update={"megatron": {k: v}}), build_transformer_config)), None)
+    named = repr(culprit) if culprit else ", ".join(map(repr, cfg.megatron))
+    return f"megatron option {named}: {error}"
+
+
+def _build_error(cfg: RunConfig, build_transformer_config) -> Optional[str]:
+    """megatron's rejection of the configs `cfg` builds (transformer, optimizer, DDP, scheduler), or None."""
+    classes = _classes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            build_transformer_config(cfg)
+            classes["OptimizerConfig"](**{"lr": cfg.training.lr, "min_lr": cfg.training.lr,
+                                          **for_config(cfg, "OptimizerConfig")})
+            classes["DistributedDataParallelConfig"](**for_config(cfg, "DistributedDataParallelConfig"))
+            # the scheduler's own asserts, on an optimizer stand-in with one parameter group
+            scheduler(types.SimpleNamespace(param_groups=[{"params": []}]), cfg)
+        except (AssertionError, ValueError, TypeError, NotImplementedError, KeyError, ZeroDivisionError) as e:
+            text = " ".join(str(e).split()) or type(e).__name__
+            return f"megatron-core rejects this run: {text}"
+    return None
