@@ -150,7 +150,9 @@ def _labels(keys: list[str]) -> dict[str, str]:
     differing = sorted({p for f in flat for p in f if any(g.get(p) != f.get(p) for g in flat)})
     leaves = [p.rsplit(".", 1)[-1] for p in differing]
     short = {p: leaf if leaves.count(leaf) == 1 else p for p, leaf in zip(differing, leaves)}
-    return {k: ", ".join(f"{short[p]}={_value(f.get(p))}" for p in differing) for k, f in zip(keys, flat)}
+    # a field the key does not set (a megatron option left out, an empty list) is the default: not named
+    return {k: ", ".join(f"{short[p]}={_value(f.get(p))}" for p in differing if f.get(p) not in (None, [], {}))
+            or "the case's defaults" for k, f in zip(keys, flat)}
 
 
 def _fields(key: str) -> dict:

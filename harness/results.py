@@ -11,7 +11,8 @@ Verdict = Literal["pass", "fail", "error"]
 #: What a reader sees first, one of five (plus the reference run's own): the verdict says whether the
 #: expectation held, the outcome says what happened.
 Outcome = Literal["reference", "equal", "differs only where allowed", "differs as expected",
-                  "unexpected difference", "unexpectedly equal", "not finite", "error"]
+                  "unexpected difference", "unexpectedly equal", "not finite", "not finite as expected",
+                  "unexpectedly finite", "error"]
 DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "param"]
 
 #: Parameter families used to group mismatches (see `trainerkit.names.family`).
@@ -64,7 +65,7 @@ class VariantResult:
     pp: int
     vpp: int
     mtp_standalone: bool
-    expect: Literal["bitwise", "may_diverge", "diverge"]
+    expect: Literal["bitwise", "may_diverge", "diverge", "not_finite"]
     verdict: Verdict
     bitwise_equal: Optional[bool]                 # None when the run errored
     first_divergence: Optional[FirstDivergence]
@@ -118,6 +119,10 @@ class VariantResult:
     # comparison with the golden trace (`harness.golden`, `verify --golden DIR`): {"status": "equal" | "differs"
     # | "missing" | "other environment", "first_divergence": dict | None, "detail": str}; {} when not asked
     golden: dict = field(default_factory=dict)
+    # the upstream bug this run states (its `bug:` for the run's megatron version), and where the run first went
+    # wrong when not finite (`harness.trace.NonFinite` as words); None / "" otherwise
+    bug: Optional[str] = None
+    nonfinite: str = ""
 
     @property
     def schedule(self) -> str:

@@ -333,7 +333,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         if where:
             reason += f"; localised: {where['message']}"
         evidence, evidence_error = [], ""
-        if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all):
+        # a run that states a bug shows how far it moved (the report's "caught" line), as a failure does
+        if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all or run.spec.bug):
             progress(f"      collecting ULP evidence at step {fd.step} ...")
             try:
                 evidence = collect_evidence(plan_configs[ref_name], run.config, ref, trace, fd.step,
@@ -357,7 +358,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas,
             run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error,
             localisation=where or {}, outside_signature=signature.lines(outside),
-            outside_signature_count=len(outside)))
+            outside_signature_count=len(outside), bug=run.spec.bug, nonfinite=str(nonfinite or "")))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env.update(plan.facts(), launcher=launcher)
     for role in ("head", "base"):

@@ -19,7 +19,7 @@ from .chart_evidence import family_tables
 from .chart_loss import group_rows, loss_curves_svg, loss_groups
 from .matrix import verdict_matrix
 from .summary_json import json_safe
-from .words import (OUTCOME_STYLE, agreement_splits, card_anchors, clean_text, clip_words, divergence_words,
+from .words import (OUTCOME_STYLE, agreement_splits, bug_words, cross_bug_words, card_anchors, clean_text, clip_words, divergence_words,
                     format_elapsed, megatron_source_words, is_relative_link, run_dir_of)
 
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
@@ -74,6 +74,9 @@ def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -
         counts=counts,
         golden=golden if isinstance(golden, dict) and golden else None,
         agreement=_agreement(result, anchors),
+        bugs=[(v.name, anchors[i], w) for i, v in enumerate(result.variants) for w in [bug_words(v)] if w]
+        + [("cross-implementation", "cross-implementation", w) for w in [cross_bug_words(result.cross_implementation)]
+           if w],
         matrix=verdict_matrix(result, anchors),
         symbols=SYMBOLS,
         cards=card_data,

@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 from harness.results import CaseResult
 
-from .words import (agreement_splits, canonical_words, clean_text, clip_words, divergence_words, format_elapsed,
-                    golden_of, golden_words, megatron_source_words, outside_lines)
+from .words import (agreement_splits, bug_words, canonical_words, clean_text, clip_words, cross_bug_words,
+                    divergence_words, format_elapsed, golden_of, golden_words, megatron_source_words, outside_lines)
 
 #: Lines of differences outside the signature listed per failing variant (the rest in the report).
 MAX_OUTSIDE_LINES = 5
@@ -62,6 +62,7 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         + f" · {format_elapsed(result.elapsed_s)}",
     ]
     lines += agreement_markdown(getattr(result, "agreement", None), result.baseline)
+    lines += bugs_markdown(result)
     golden = getattr(result, "golden", None)
     if isinstance(golden, dict) and golden:
         verdict = _VERDICT_MD.get(golden.get("verdict"), md_cell(golden.get("verdict")))
@@ -120,6 +121,15 @@ def _notes(result: CaseResult) -> list[str]:
         out += ["", "Golden trace comparison, runs that are not equal to it:"]
         out += [f"- {md_cell(v.name)}: {md_cell(golden_words(g))}" for v, g in golden]
     return out
+
+
+def bugs_markdown(result: CaseResult) -> list[str]:
+    """The upstream bugs the case states ([] when none): per run with a ``bug``, and for the cross-implementation
+    check, whether it was caught and what moved first, how far (`words.bug_words`)."""
+    lines = [f"- {md_cell(v.name)}: {md_cell(w)}" for v in result.variants for w in [bug_words(v)] if w]
+    cross = cross_bug_words(result.cross_implementation)
+    lines += [f"- cross-implementation: {md_cell(cross)}"] if cross else []
+    return ["", "Upstream bugs this case states:"] + lines if lines else []
 
 
 def agreement_markdown(agreement, baseline: str) -> list[str]:

@@ -7,7 +7,7 @@ from typing import Any
 from harness.results import CaseResult, VariantResult
 
 from .chart_timeline import timeline_cells
-from .words import (canonical_words, clean_text, detail_page, finite_or_none, golden_of, inventory_lines,
+from .words import (bug_words, canonical_words, clean_text, detail_page, finite_or_none, golden_of, inventory_lines,
                     outside_count, outside_lines, reference_of, trace_file)
 
 
@@ -58,6 +58,9 @@ def _variant(v: VariantResult, baseline: str) -> dict:
         "clip_grad": finite_or_none(v.clip_grad) or 0.0,
         "bubble_fraction": finite_or_none(v.bubble_fraction),
         "inventory": inventory_lines(v),
+        "bug": None if not getattr(v, "bug", None) else str(v.bug),
+        "bug_words": bug_words(v),
+        "nonfinite": str(getattr(v, "nonfinite", "") or "") or None,
         "replica_status": json_safe(dict(v.replica_status)) if isinstance(v.replica_status, dict) else {},
         "run_to_run": json_safe(dict(v.run_to_run)) if isinstance(v.run_to_run, dict) else {},
         "ulp_evidence": [json_safe(dict(e)) for e in (v.ulp_evidence or []) if isinstance(e, dict)],

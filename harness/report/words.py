@@ -340,3 +340,42 @@ def megatron_source_words(src: dict) -> str:
     commit = src.get("commit")
     where = f" commit {str(commit)[:12]}{' + local changes' if src.get('modified') else ''}" if commit else ""
     return f"megatron-core {src.get('version')}{where} at {src.get('path')}"
+
+
+def bug_words(v: VariantResult) -> Optional[str]:
+    """What a run that states an upstream bug (``bug:``) showed, in one line: ``caught`` (its verdict passes: the
+    bug showed where the case says) with what moved first and how far — the first divergence (step, kind,
+    tensor, ULPs of a scalar), the largest per-element ULP distance among the differing tensors of the ULP
+    evidence and which tensor, or where training first stopped being finite — or ``NOT caught`` with the
+    reason.  None for a run without a bug."""
+    bug = getattr(v, "bug", None)
+    if not bug:
+        return None
+    if v.verdict != "pass":
+        return f"{clean_text(bug)}: NOT caught — {clean_text(v.reason)}"
+    parts = []
+    if getattr(v, "nonfinite", ""):
+        parts.append(f"not finite first at {clean_text(v.nonfinite)}")
+    fd = v.first_divergence
+    if fd is not None and not getattr(v, "nonfinite", ""):
+        parts.append(f"moved first: {divergence_words(fd)}")
+    worst = max((r for r in v.ulp_evidence or [] if isinstance(r, dict) and r.get("max_ulp") is not None),
+                key=lambda r: r["max_ulp"], default=None)
+    if worst is not None:
+        parts.append(f"farthest at that step: {worst.get('what', '')} {clean_text(worst.get('key', ''))}, "
+                     f"max {_sig(worst['max_ulp'])} ULP, median {_sig(worst.get('median_ulp'))} ULP "
+                     f"({format_fraction(worst.get('fraction'))} of its elements differ)")
+    return f"{clean_text(bug)}: caught — " + "; ".join(parts or ["as the case states"])
+
+
+def _sig(x: Any) -> str:
+    f = finite_or_none(x)
+    return "—" if f is None else f"{f:.3g}"
+
+
+def cross_bug_words(rec: Any) -> Optional[str]:
+    """The cross-implementation comparison's bug line (its ``bug`` on this megatron version), or None."""
+    if not isinstance(rec, dict) or not rec.get("bug") or rec.get("expected_expect") != "disagree":
+        return None
+    state = "caught" if rec.get("verdict") == "pass" else "NOT caught"
+    return f"{clean_text(rec['bug'])}: {state} by the cross-implementation check — {clean_text(rec.get('reason', ''))}"
