@@ -167,11 +167,14 @@ def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
     return "pass", "differs as expected", f"differs as expected; {where}"
 
 
-def _judge_nonfinite(spec, nonfinite, verdict: str, happened: str, reason: str) -> tuple[str, str, str]:
+def _judge_nonfinite(spec, nonfinite, verdict: str, happened: str, reason: str,
+                     planted: bool = False) -> tuple[str, str, str]:
     """(verdict, outcome, reason) once the run's first NaN / inf (`harness.trace.first_nonfinite`, or None) is
     known.  NaN bits compare equal to themselves, so a broken run must not pass as "equal": it fails, except a
-    ``diverge`` run (broken on purpose: it only says so) and a ``not_finite`` run, which passes only when it is
-    not finite where its first_divergence says (the bug it states is caught there)."""
+    ``diverge`` run with a planted fault (`planted`: broken on purpose, it only says so) and a ``not_finite``
+    run, which passes only when it is not finite where its first_divergence says (the bug it states is caught
+    there).  A ``diverge`` run without a planted fault differs for a reason the case states (other data, another
+    option), not by breaking: not finite, it fails."""
     if spec.expect == "not_finite":
         if nonfinite is None:
             return "fail", "unexpectedly finite", "expected training to become not finite, but every loss and grad " \
@@ -183,7 +186,7 @@ def _judge_nonfinite(spec, nonfinite, verdict: str, happened: str, reason: str) 
         return "pass", "not finite as expected", f"not finite as expected: {nonfinite}"
     if nonfinite is None:
         return verdict, happened, reason
-    if spec.expect == "diverge":
+    if spec.expect == "diverge" and planted:
         return verdict, happened, f"{reason}; training not finite: {nonfinite}"
     return "fail", "not finite", f"training not finite: {nonfinite}"
 
@@ -323,7 +326,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         # broken on purpose, so it only says so)
         nonfinite = first_nonfinite(trace) if trace is not None else None
         if verdict != "error":
-            verdict, happened, reason = _judge_nonfinite(run.spec, nonfinite, verdict, happened, reason)
+            verdict, happened, reason = _judge_nonfinite(run.spec, nonfinite, verdict, happened, reason,
+                                                         planted=run.config.inject is not None)
         coverage = overlap_coverage(trace, run.config.parallel.overlap_moe_expert_parallel_comm) \
             if trace is not None and run.config.trainer == "megatron-core" else {}
         if coverage.get("warning"):

@@ -35,6 +35,11 @@ _LOOP_TYPES = {"lr_decay_style": str, "lr_warmup_iters": int, "lr_decay_iters": 
                "lr_warmup_init": float, "start_weight_decay": Optional[float], "end_weight_decay": Optional[float],
                "weight_decay_incr_style": str, "get_embedding_ranks": str}
 EMBEDDING_RANKS = ("pretrain_gpt", "parallel_state")
+#: values megatron-core's configs take as plain strings and Megatron-LM's argument parser restricts
+#: (training/arguments.py ``choices=``): megatron-core itself silently ignores an unknown one (a misspelt
+#: load-balancing type trains without load balancing)
+_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                               "quantile_balancing", "none")}
 
 #: Megatron names that bitparity's own configuration decides, and where a case says them.
 _DERIVED = {
@@ -137,6 +142,10 @@ def names_problem(cfg: RunConfig) -> Optional[str]:
             return _unknown(name, set(fields) | set(LOOP))
         if problem:
             return problem
+        choices = _CHOICES.get(name)
+        bad = [x for x in (value if isinstance(value, list) else [value]) if choices and x not in choices]
+        if bad:
+            return f"megatron option {name!r}: {bad[0]!r} is not one of {', '.join(choices)} (Megatron-LM's arguments)"
     ranks = cfg.megatron.get("get_embedding_ranks", "pretrain_gpt")
     if ranks not in EMBEDDING_RANKS:
         return f"megatron option 'get_embedding_ranks': {ranks!r} is not one of {', '.join(EMBEDDING_RANKS)}"
@@ -194,7 +203,45 @@ def _build_error(cfg: RunConfig, build_transformer_config) -> Optional[str]:
             classes["DistributedDataParallelConfig"](**for_config(cfg, "DistributedDataParallelConfig"))
             # the scheduler's own asserts, on an optimizer stand-in with one parameter group
             scheduler(types.SimpleNamespace(param_groups=[{"params": []}]), cfg)
-        except (AssertionError, ValueError, TypeError, NotImplementedError, KeyError, ZeroDivisionError) as e:
-            text = " ".join(str(e).split()) or type(e).__name__
-            return f"megatron-core rejects this run: {text}"
+        except Exception as e:      # megatron rejects with assertions, ValueError and plain Exception alike
+            return f"megatron-core rejects this run: {_words(e)}"
     return None
+
+
+#: where the training loop's options live once built: (object in `read_back`'s ``built``, attribute)
+_LOOP_ATTRS = {"lr_decay_style": ("scheduler", "lr_decay_style"), "lr_warmup_iters": ("scheduler", "lr_warmup_steps"),
+               "lr_decay_iters": ("scheduler", "lr_decay_steps"), "lr_warmup_init": ("scheduler", "init_lr"),
+               "min_lr": ("scheduler", "min_lr"), "start_weight_decay": ("scheduler", "start_wd"),
+               "end_weight_decay": ("scheduler", "end_wd"), "weight_decay_incr_style": ("scheduler", "wd_incr_style")}
+
+
+def read_back(cfg: RunConfig, built: dict) -> dict:
+    """{option: {where: value}} of every option the case sets, read from the objects megatron built (`built`:
+    ``{"MLATransformerConfig": config, "OptimizerConfig": optimizer.config, "DistributedDataParallelConfig":
+    ddp.ddp_config, "scheduler": OptimizerParamScheduler, "embedding_ranks": [global ranks]}``): what the rank
+    really runs with, for the trace header (a misrouted option shows as a value other than the case's)."""
+    out = {}
+    for name in cfg.megatron:
+        seen = {label: _plain_value(getattr(obj, name)) for label, obj in built.items()
+                if label in _classes() and obj is not None and hasattr(obj, name)}
+        if name in _LOOP_ATTRS:
+            where, attr = _LOOP_ATTRS[name]
+            seen[where] = _plain_value(getattr(built[where], attr))
+        if name == "get_embedding_ranks":
+            seen["embedding_ranks"] = built.get("embedding_ranks")
+        out[name] = seen
+    return out
+
+
+def _words(e: Exception) -> str:
+    """An exception as one line; a bare ``assert`` (no message) is named by its file, line and source."""
+    text = " ".join(str(e).split())
+    if text:
+        return text
+    import traceback
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{type(e).__name__} at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}: {(frame.line or '').strip()}"
+
+
+def _plain_value(v):
+    return v if v is None or isinstance(v, (bool, int, float, str, list)) else str(v)

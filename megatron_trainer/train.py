@@ -228,7 +228,12 @@ def header(cfg: RunConfig, rank: int, device: torch.device, r: MegatronRank, set
             "settings": {"overlap_p2p_comm": r.config.overlap_p2p_comm, "batch_p2p_comm": r.config.batch_p2p_comm,
                          "megatron_core": megatron.core.__version__,
                          "megatron_path": str(Path(megatron.core.__path__[0]).resolve().parent.parent),
-                         "compat_not_needed": dict(compat.NOT_NEEDED)}}
+                         "compat_not_needed": dict(compat.NOT_NEEDED),
+                         # the case's megatron options as the built configs hold them (options.read_back)
+                         "megatron_options": options.read_back(cfg, {
+                             "MLATransformerConfig": r.config, "OptimizerConfig": getattr(r.optimizer, "config", None),
+                             "DistributedDataParallelConfig": r.model[0].ddp_config, "scheduler": r.scheduler,
+                             "embedding_ranks": _embedding_ranks()})}}
 
 
 def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, started: float | None = None) -> None:
@@ -294,6 +299,14 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
         writer.write(record)
     writer.write({"type": "end"})
     writer.close()
+
+
+def _embedding_ranks():
+    """The global ranks of this rank's embedding group as megatron's parallel state holds them (None when this
+    rank is in none)."""
+    from megatron.core import parallel_state as ps
+    ranks = getattr(ps, "_EMBEDDING_GLOBAL_RANKS", None)
+    return list(ranks) if ranks is not None else None
 
 
 def _fingerprints(cfg: RunConfig, tensors: list, keys: list) -> dict:

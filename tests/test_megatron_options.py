@@ -1,0 +1,91 @@
+"""Megatron's own options in a case (`RunConfig.megatron`, megatron_trainer.options), on the real megatron-core.
+
+* every kind of option reaches megatron, shown twice: by its effect (tests/cases/megatron-options.yaml: each
+  variant differs from the baseline first where its option acts — step 1's update for a learning-rate decay,
+  the embedding/head update for ``decoupled_lr``, a router gradient for the z-loss — and a DDP check moves no
+  bit), and read back from the objects megatron built, as each rank records them in its trace header;
+* a misspelt name, a name bitparity sets itself, a value of the wrong type, a field no YAML value can be, a
+  value Megatron-LM's arguments refuse and a value megatron's own validators reject are one line each, naming
+  the option, exit 2, nothing written;
+* the reference trainer refuses what it does not implement, and the cross-implementation check says so.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from conftest import ROOT, run_cli  # noqa: E402
+from test_cli_errors import _check_usage_error  # noqa: E402
+
+pytestmark = [pytest.mark.megatron]
+
+CASE = ROOT / "tests" / "cases" / "megatron-options.yaml"
+SMALL = ROOT / "tests" / "cases" / "megatron-small.yaml"
+
+READ_BACK = {
+    "loop-lr-linear": {"lr_decay_style": {"scheduler": "linear"},
+                       "min_lr": {"OptimizerConfig": 0.0, "scheduler": 0.0}},
+    "optimizer-decoupled-lr": {"decoupled_lr": {"OptimizerConfig": 0.0},
+                               "decoupled_min_lr": {"OptimizerConfig": 0.0}},
+    "transformer-z-loss": {"moe_z_loss_coeff": {"MLATransformerConfig": 0.5}},
+    "ddp-check-nan": {"check_for_nan_in_grad": {"DistributedDataParallelConfig": True},
+                      "get_embedding_ranks": {"embedding_ranks": [0, 1]}},
+}
+
+
+@pytest.mark.slow
+def test_every_kind_of_option_reaches_megatron(tmp_path):
+    proc = run_cli("verify", CASE, "--out", tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "megatron-options" / "summary.json").read_text())
+    runs = {v["name"]: v for v in summary["variants"]}
+    assert runs["loop-lr-linear"]["first_divergence"]["step"] == 1
+    assert runs["optimizer-decoupled-lr"]["first_divergence"]["name"] in ("embedding.word_embeddings.weight",
+                                                                          "output_layer.weight")
+    assert runs["ddp-check-nan"]["bitwise_equal"] is True
+    for name, want in READ_BACK.items():
+        header = _header(tmp_path, name)
+        assert header["settings"]["megatron_options"] == want, (name, header["settings"]["megatron_options"])
+    assert _header(tmp_path, "pp2-vpp2-mtp-with-loss")["settings"]["megatron_options"] == {}
+
+
+def _header(out, name: str) -> dict:
+    """Rank 0's trace header of run `name` (its directory: the name with '/' made '_', `harness.verify`)."""
+    path = out / "megatron-options" / "runs" / name.replace("/", "_") / "rank0.jsonl"
+    return json.loads(path.read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize("option,fragments", [
+    ("moe_router_load_balancing_typ: aux_loss", ["'moe_router_load_balancing_typ'", "did you mean "
+                                                 "moe_router_load_balancing_type"]),
+    ("hidden_size: 64", ["'hidden_size'", "bitparity's to set: model.hidden_size"]),
+    ("pipeline_model_parallel_layout: Et", ["'pipeline_model_parallel_layout'", "the variant's"]),
+    ("moe_z_loss_coeff: abc", ["'moe_z_loss_coeff'", "'abc'"]),
+    ("activation_func: relu", ["'activation_func'", "not a value a case file can give"]),
+    ("moe_router_load_balancing_type: [aux_loss, bogus]", ["'moe_router_load_balancing_type'", "'bogus'"]),
+    ("min_lr: 0.5", ["'min_lr'", "megatron-core rejects this run", "max_lr >= self.min_lr"]),
+    ("lr_decay_style: bogus", ["'lr_decay_style'", "megatron-core rejects this run"]),
+    ("get_embedding_ranks: first", ["'get_embedding_ranks'", "pretrain_gpt, parallel_state"]),
+    ("Bad-Name: 1", ["megatron option 'Bad-Name'", "lower_case_with_underscores"]),
+    ("moe_z_loss_coeff: {a: 1}", ["megatron.moe_z_loss_coeff"]),
+])
+def test_a_bad_option_is_one_line_naming_it(tmp_path, option, fragments):
+    case = tmp_path / "case.yaml"
+    case.write_text(f"extends: {SMALL}\nvariants:\n  - {{name: v, pipeline_model_parallel_layout: 'Et|t|t|tmL', "
+                    f"pipeline_model_parallel_size: 2, megatron: {{{option}}}}}\n")
+    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out", "variant 'v'",
+                       *fragments)
+
+
+def test_the_reference_trainer_and_the_cross_implementation_check_name_what_they_cannot_run(tmp_path):
+    case = tmp_path / "case.yaml"
+    case.write_text(f"extends: {SMALL}\nmegatron: {{moe_z_loss_coeff: 0.5}}\n"
+                    "cross_implementation: {variant: pp4-mtp-standalone}\n")
+    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out", "cross_implementation",
+                       "the reference trainer does not implement megatron option 'moe_z_loss_coeff'")
+    case.write_text(f"extends: {SMALL}\ntrainer: reference\nmegatron: {{moe_router_load_balancing_type: aux_loss}}\n")
+    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out",
+                       "megatron option 'moe_router_load_balancing_type' only as 'seq_aux_loss'")
