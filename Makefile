@@ -29,8 +29,10 @@ PORTABILITY_SETTINGS ?= ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 MKL
 PORTABILITY_TESTS    ?= tests/test_optimizer.py tests/test_reductions.py tests/test_expert_parallel.py tests/test_verify_e2e.py \
                         tests/test_overlap.py tests/test_faults.py tests/test_evidence.py tests/test_model.py \
                         tests/test_megatron_trainer.py tests/test_crossimpl.py tests/test_mla_convention.py \
-                        tests/test_signature.py tests/test_dataflow.py tests/test_long.py tests/test_nonfinite.py
-PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml cases/megatron-dsv3.yaml cases/megatron-overlap.yaml
+                        tests/test_signature.py tests/test_dataflow.py tests/test_long.py tests/test_nonfinite.py \
+                        tests/test_loss_masks.py tests/test_version_expectations.py
+PORTABILITY_CASES    ?= cases/smoke.yaml cases/overlap-ep.yaml cases/megatron-dsv3.yaml cases/megatron-overlap.yaml \
+                        cases/megatron-upstream-bugs.yaml
 
 # Goldens (harness.golden): the bits of cases/<c>.yaml for GOLDEN_ITERS steps in goldens/<c>, recorded and
 # checked under one arithmetic, so a change that moves every layout alike fails `make verify-golden` (CI), a
@@ -41,7 +43,7 @@ GOLDEN_ITERS ?= 8
 # The long profile: the dsv3 layouts for LONG_ITERS steps (bugs that show only after a few updates)
 LONG_ITERS  ?= 8
 
-.PHONY: verify verify-megatron verify-overlap verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean
+.PHONY: verify verify-megatron verify-overlap verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -66,6 +68,11 @@ verify-megatron: $(STAMP)
 verify-overlap: $(STAMP)
 	$(BIN)/bitparity verify cases/megatron-overlap.yaml $(ARGS)
 	$(BIN)/bitparity verify cases/megatron-overlap-bf16.yaml $(ARGS)
+
+# megatron-core's own history: upstream bugs caught on the release that had them and passing on the one that
+# fixed them (and the open ones caught on every version); run under PY=3.12 too (CI runs both)
+verify-upstream-bugs: $(STAMP)
+	$(BIN)/bitparity verify cases/megatron-upstream-bugs.yaml $(ARGS)
 
 # every run of GOLDEN_CASES bitwise equal to its golden (CI)
 verify-golden: $(STAMP)

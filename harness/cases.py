@@ -1,83 +1,34 @@
 """Case files: YAML -> validated plan (one `RunConfig` per variant), or one `UsageError` line.
 
-Schema (unknown keys and wrong types are errors naming the key; top-level keys starting with ``x-`` are
-ignored, so they can hold YAML anchors that variants merge with ``<<: *anchor``; ``extends: other.yaml``
-starts from another case and deep-merges this file's mappings over it)::
-
-    name: dsv3                       # optional, defaults to the file stem
-    description: ...
-    timeout_s: 600                   # per run watchdog
-    device: cpu                      # or cuda (params_dtype then defaults to bfloat16); num_gpus: N
-    model: {ModelConfig fields}      # trainerkit.config
-    training: {TrainingConfig fields}
-    baseline: {name, pipeline_model_parallel_layout, pipeline_model_parallel_size, options}
-    trainer: reference               # or megatron-core (harness.trainers); a variant may set its own
-    cross_implementation: {variant: pp1, step: 0, max_ulp: 16}   # optional: that run again by the other
-                                     # trainer, from the same weights and data, compared in ULPs (harness.crossimpl;
-                                     # both in params_dtype: float32 by default)
-    variants:
-      - name: ...
-        pipeline_model_parallel_layout: "Et*3|(tt|)*29,m|L"
-        pipeline_model_parallel_size: 16
-        expert_model_parallel_size: 2  # EP (default 1): routed experts over 2 ranks per pipeline rank, world P x EP;
-                                     # num_moe_experts and seq_length*micro_batch_size must be divisible by it
-        data_parallel_size: 2          # DP (megatron-core; default 1): world P x DP, DP rank d trains global
-                                     # microbatch m*DP+d; Megatron's EP is carved out of DP (EP divides DP)
-        options: {clip_grad: 0.05}   # overrides of `training` for this variant
-        compare_to: other-variant    # reference run (default: the baseline)
-        repeat: 2                    # also run it again and require the runs bitwise equal (a control)
-        expect: bitwise | may_diverge | diverge
-        first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # with may_diverge
-                                     # (required) or diverge (optional); kinds: inventory, loss, grad, grad_norm,
-                                     # param; max_ulp: N bounds a loss / grad_norm first divergence; a list
-                                     # [{...}, {...}] allows any one of several places
-        signature: [{step: 0, kind: grad, name: ...}, {from_step: 1}]   # everything that may differ
-                                     # (harness.signature; default: derived from first_divergence)
-
-    ``may_diverge`` is the honest statement about rounding: the run may be bitwise equal, and if it is not, its
-    first divergence must be the one given (so nothing differs before it).  Use it wherever a difference
-    depends on the values (a sum regrouped by the layout: whether its last bit moves depends on the data, the
-    CPU's kernels, the GPU).  ``diverge`` demands a difference: keep it for differences that are certain by
-    construction (another model, another microbatch count, a planted bit flip).
-        inject: grad_bit_flip        # test-only planted fault (reference_impl.faults); --inject sets it for all
-        trainer: megatron-core       # this variant's trainer (default: the case's `trainer:`, itself default
-                                     # reference); harness.trainers says what megatron-core can run
-
-Every layout is parsed and validated and every schedule is dry-run (`trainerkit.schedule.simulate`)
-here, before anything runs or is written.  Sizes are bounded first (`harness.bounds`: the file and its YAML alias
-expansion, P x EP ranks, P x V x num_microbatches; `trainerkit.config`: finite floats, model sizes), so a
-case that passes cannot exhaust memory or processes later.
+The schema is `harness.case_schema` (its docstring spells it out).  Every layout is parsed and validated and every
+schedule is dry-run (`trainerkit.schedule.simulate`) here, before anything runs or is written.  Sizes are bounded
+first (`harness.bounds`: the file and its YAML alias expansion, P x EP ranks, P x V x num_microbatches;
+`trainerkit.config`: finite floats, model sizes), so a case that passes cannot exhaust memory or processes later.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 import re
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
-from trainerkit.config import (MAX_GPUS, MAX_TIMEOUT_S, DataConfig, ModelConfig, ParallelConfig, RunConfig,
-                               TrainingConfig, check_data_parallel_microbatches, check_expert_parallel,
-                               overlap_problem)
+from trainerkit.config import (DataConfig, ParallelConfig, RunConfig, TrainingConfig,
+                               check_data_parallel_microbatches, check_expert_parallel, overlap_problem)
 from trainerkit.data import DataError, TokenDataset
 from trainerkit.layout import LayoutError, PipelineLayout
 from trainerkit.schedule import ScheduleError, build_schedule, simulate
 
 from . import bounds
 from . import expectations
-from .signature import SignaturePlace
 from . import trainers
-from .crossimpl import CrossImplementationSpec, other_trainer
+from .case_schema import CaseSpec, VariantSpec
+from .crossimpl import other_trainer
 from .errors import UsageError
-
-
-class _Strict(BaseModel):
-    # allow_inf_nan=False: `timeout_s: .inf` would let a hung rank hang forever
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -96,116 +47,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
-class ExpectedDivergence(_Strict):
-    """Where a `diverge` / `may_diverge` variant must first differ: any field left out (None) matches anything.
-    `max_ulp` (loss and grad_norm only: a scalar with one bit pattern per run) bounds the distance in ULPs."""
-
-    step: Optional[int] = Field(None, ge=0)     # None: any step
-    kind: Literal["inventory", "loss", "grad", "grad_norm", "param"]
-    name: Optional[str] = None
-    _name_printable = field_validator("name")(bounds.printable)
-    microbatch: Optional[int] = None
-    max_ulp: Optional[int] = Field(None, ge=0)
-
-
-class ResumeSpec(_Strict):
-    """Start from the checkpoint that run `variant` saves after step `after_step` (any layout: checkpoints
-    use global parameter names); the resumed steps are compared with this variant's reference run."""
-
-    variant: str
-    after_step: int = Field(ge=0)
-    _variant_printable = field_validator("variant")(bounds.printable)
-
-
-class VersionExpectation(_Strict):
-    """What holds for a run on the megatron-core versions `versions` (PEP 440 specifiers, e.g. ``"<0.17"``,
-    ``">=0.17,<0.20"``; pre-releases and Megatron-LM checkouts match by their version number): it replaces the
-    run's expect / first_divergence / signature / bug there, so one case states an upstream bug and its fix."""
-
-    versions: str = Field(min_length=1, max_length=200)
-    expect: Literal["bitwise", "may_diverge", "diverge", "not_finite"]
-    first_divergence: Optional[list[ExpectedDivergence]] = None
-    signature: Optional[list[SignaturePlace]] = None
-    bug: Optional[str] = Field(None, max_length=300)
-    _printable = field_validator("versions", "bug")(bounds.printable)
-
-    @field_validator("versions")
-    @classmethod
-    def _specifiers(cls, v):
-        from packaging.specifiers import InvalidSpecifier, SpecifierSet
-        try:
-            SpecifierSet(v)
-        except InvalidSpecifier:
-            raise ValueError(f"{v!r} is not a PEP 440 version specifier (e.g. '<0.17' or '>=0.17,<0.20')") from None
-        return v
-
-    @field_validator("first_divergence", mode="before")
-    @classmethod
-    def _one_or_more(cls, v):
-        return [v] if isinstance(v, dict) else v
-
-
-class VariantSpec(_Strict):
-    """One run of the case: a layout and P, overrides of `training`, and what its comparison must show."""
-
-    name: str = Field(min_length=1, max_length=100)
-    pipeline_model_parallel_layout: str
-    pipeline_model_parallel_size: int = Field(ge=1, le=1024)
-    expert_model_parallel_size: int = Field(1, ge=1, le=64)
-    data_parallel_size: int = Field(1, ge=1, le=64)     # megatron-core only: world P x DP, EP divides DP
-    overlap_moe_expert_parallel_comm: bool = False    # Megatron's 1F1B overlap schedule
-    delay_wgrad_compute: bool = False
-    options: dict = Field(default_factory=dict)
-    # not_finite: the run must become not finite (a bug caught), first where first_divergence says (kind loss or
-    # grad_norm, name lm / mtp_k / grad norm); its comparison with compare_to is not judged
-    expect: Literal["bitwise", "may_diverge", "diverge", "not_finite"] = "bitwise"
-    # one place, or a list of places any one of which may be the first divergence
-    first_divergence: Optional[list[ExpectedDivergence]] = None
-    signature: Optional[list[SignaturePlace]] = None    # everything that may differ (harness.signature)
-    inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
-    compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
-    repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
-    resume: Optional[ResumeSpec] = None  # start from another run's checkpoint
-    trainer: Optional[Literal["reference", "megatron-core"]] = None    # default: the case's
-    # megatron's own options by Megatron-LM's names, over the case's `megatron:` (megatron_trainer.options)
-    megatron: dict = Field(default_factory=dict)
-    # megatron: only megatron's own layout rules (run a layout megatron accepts and trains wrong)
-    layout_rules: Literal["bitparity", "megatron"] = "bitparity"
-    # the upstream bug this run exposes (a Megatron-LM commit or issue): the report shows it beside the verdict
-    bug: Optional[str] = Field(None, max_length=300)
-    # what holds on other megatron versions: the first entry whose `versions` (PEP 440) match the run's
-    # megatron-core replaces expect / first_divergence / signature / bug (harness.expectations.for_version)
-    megatron_versions: list[VersionExpectation] = Field(default_factory=list, max_length=16)
-    # names reach the terminal and the report: an ANSI escape or a newline in one is rejected, not printed
-    _names_printable = field_validator("name", "compare_to", "inject", "bug")(bounds.printable)
-
-    @field_validator("first_divergence", mode="before")
-    @classmethod
-    def _one_or_more(cls, v):
-        return [v] if isinstance(v, dict) else v
-
-
-class CaseSpec(_Strict):
-    """A whole case file (schema in the module docstring)."""
-
-    name: Optional[str] = Field(None, min_length=1)      # left out: the file's stem; "" is a mistake
-    description: str = ""
-    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
-    device: Literal["cpu", "cuda"] = "cpu"
-    params_dtype: Optional[Literal["float32", "bfloat16"]] = None   # default: float32 on cpu, bfloat16 on cuda
-    num_gpus: Optional[int] = Field(None, ge=1, le=MAX_GPUS)         # cuda: GPUs to spread ranks over
-    capture: Literal["full", "activations"] = "full"                 # activations: in-step fingerprints too
-    trainer: Literal["reference", "megatron-core"] = "reference"     # harness.trainers; a variant may override
-    # megatron's own options by Megatron-LM's names (megatron_trainer.options); a variant's `megatron:` adds to it
-    megatron: dict = Field(default_factory=dict)
-    model: ModelConfig
-    training: TrainingConfig = TrainingConfig()
-    baseline: VariantSpec
-    variants: list[VariantSpec] = Field(default_factory=list)
-    # one run repeated by the other trainer from identical weights and data, measured in ULPs (harness.crossimpl)
-    cross_implementation: Optional[CrossImplementationSpec] = None
 
 
 @dataclass

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from trainerkit.config import DumpConfig, RunConfig
 
 from . import trainers
+from .expectations import check_specifiers, entry_for
 from .runner import run_ranks
 from .trace import Trace, TraceError, merge
 from .ulp import tensor_stats, ulp_distance
@@ -70,15 +71,7 @@ class CrossVersionExpectation(BaseModel):
     first_beyond_bound: Optional[str] = Field(None, max_length=300)
     bug: Optional[str] = Field(None, max_length=300)
 
-    @field_validator("versions")
-    @classmethod
-    def _specifiers(cls, v):
-        from packaging.specifiers import InvalidSpecifier, SpecifierSet
-        try:
-            SpecifierSet(v)
-        except InvalidSpecifier:
-            raise ValueError(f"{v!r} is not a PEP 440 version specifier (e.g. '<0.17' or '>=0.17,<0.20')") from None
-        return v
+    _specifiers = field_validator("versions")(check_specifiers)
 
 
 CrossImplementationSpec.model_rebuild()
@@ -86,7 +79,6 @@ CrossImplementationSpec.model_rebuild()
 
 def expected(spec: CrossImplementationSpec, version: Optional[str]) -> dict:
     """{expect, first_beyond_bound, bug} that hold on megatron-core `version` (None: the spec's own)."""
-    from .expectations import entry_for
     entry = entry_for(spec, version) or spec
     return {"expect": entry.expect, "first_beyond_bound": entry.first_beyond_bound,
             "bug": entry.bug if entry.bug is not None else spec.bug}

@@ -126,6 +126,19 @@ def _check_signature(where: str, expect: str, places, model: ModelConfig, traini
                              f"{'any step' if want.step is None else f'step {want.step}'}): the run could never pass")
 
 
+def check_specifiers(versions: str) -> str:
+    """`versions` when it is a PEP 440 specifier set (``"<0.17"``, ``">=0.17,<0.20"``); a pydantic validator.
+
+    Raises:
+        ValueError: one line naming the text."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    try:
+        SpecifierSet(versions)
+    except InvalidSpecifier:
+        raise ValueError(f"{versions!r} is not a PEP 440 version specifier (e.g. '<0.17' or '>=0.17,<0.20')") from None
+    return versions
+
+
 def entry_for(declared, version: Optional[str]):
     """The `megatron_versions` entry of variant spec `declared` that holds on megatron-core `version` (the first
     whose specifiers contain it), or None (no entry matches, no entries, or no megatron: `version` None)."""

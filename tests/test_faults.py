@@ -254,7 +254,7 @@ def test_replica_status_walks_init_grads_then_params():
 def test_judge_structural_rules():
     from types import SimpleNamespace
 
-    from harness.cases import ExpectedDivergence
+    from harness.case_schema import ExpectedDivergence
     from harness.compare import Comparison
     from harness.results import FirstDivergence
     from harness.verify import judge
@@ -280,7 +280,7 @@ def test_judge_structural_rules():
 def test_judge_may_diverge_allows_equality_or_the_named_first_divergence():
     from types import SimpleNamespace
 
-    from harness.cases import ExpectedDivergence
+    from harness.case_schema import ExpectedDivergence
     from harness.compare import Comparison
     from harness.results import FirstDivergence
     from harness.verify import judge

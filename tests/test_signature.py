@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from harness.cases import ExpectedDivergence
+from harness.case_schema import ExpectedDivergence
 from harness.compare import Comparison, Difference
 from harness.results import FirstDivergence
 from harness.signature import SignaturePlace, default_signature, lines, matches, outside

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_cli
 from test_cli_errors import GOOD, _check_usage_error
-from harness.cases import VariantSpec
+from harness.case_schema import VariantSpec
 from harness.crossimpl import CrossImplementationSpec, expected, judge as judge_cross
 from harness.expectations import entry_for, resolve
 from harness.trace import NonFinite
