@@ -152,7 +152,7 @@ def _labels(keys: list[str]) -> dict[str, str]:
     short = {p: leaf if leaves.count(leaf) == 1 else p for p, leaf in zip(differing, leaves)}
     # a field the key does not set (a megatron option left out, an empty list) is the default: not named
     return {k: ", ".join(f"{short[p]}={_value(f.get(p))}" for p in differing if f.get(p) not in (None, [], {}))
-            or "the case's defaults" for k, f in zip(keys, flat)}
+            or ("the case's defaults" if differing else "") for k, f in zip(keys, flat)}
 
 
 def _fields(key: str) -> dict:

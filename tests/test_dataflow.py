@@ -22,9 +22,8 @@ CASE = textwrap.dedent("""\
 EMB = "embedding.word_embeddings.weight"
 # the aux loss's backward seed divided by V as well: halved on an interleaved layout
 AUX_SCALE_BY_V = {"reference_impl/train.py": [(
-    "layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)",
-    "layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches) "
-    "/ self.layout.virtual_pipeline_model_parallel_size")]}
+    "1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)",
+    "1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches) / self.layout.virtual_pipeline_model_parallel_size")]}
 # with several chunks per rank the last one is never zeroed (an off-by-one over the chunk list): its
 # gradients carry step 0's into step 1
 STALE_LAST_CHUNK = {"reference_impl/train.py": [(

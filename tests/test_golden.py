@@ -20,12 +20,12 @@ ONLY = ("--only", "pp2-mtp-with-loss", "--only", "pp4-mtp-standalone")
 ROUTER = "mtp.layers.0.transformer_layer.mlp.router.weight"
 PLANTED = {
     "aux_loss_scale_twice": {"reference_impl/train.py": [(
-        "layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)",
-        "layer.aux_loss_scale = 1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches) / t.num_microbatches")]},
+        "1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)",
+        "1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches) / t.num_microbatches")]},
     "lm_loss_per_sample": {"reference_impl/model/losses.py": [(
         "    lm_loss = loss_sum / num_tokens.clamp(min=1)\n",
-        "    per_token = token_ce(head, h0, labels) * loss_mask\n"
-        "    lm_loss = (per_token.sum(-1) / loss_mask.sum(-1).clamp(min=1)).mean()\n")]},
+        "    token_losses = token_ce(head, h0, labels) * loss_mask\n"
+        "    lm_loss = (token_losses.sum(-1) / loss_mask.sum(-1).clamp(min=1)).mean()\n")]},
 }
 
 
