@@ -68,6 +68,9 @@ def problem(config: RunConfig) -> Optional[str]:
             faults.check(config.inject)
         except faults.FaultError as e:
             return str(e)
+        if isinstance(config.model.moe_aux_loss_coeff, list):
+            return ("model.moe_aux_loss_coeff as a list (one per load-balancing type) is megatron's; the reference "
+                    "trainer has the one seq_aux_loss coefficient")
         if config.parallel.layout_rules != "bitparity":
             return "layout_rules: megatron is the megatron-core trainer's (a layout megatron accepts and trains wrong)"
         return options.problem(config.megatron)

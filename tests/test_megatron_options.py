@@ -89,3 +89,15 @@ def test_the_reference_trainer_and_the_cross_implementation_check_name_what_they
     case.write_text(f"extends: {SMALL}\ntrainer: reference\nmegatron: {{moe_router_load_balancing_type: aux_loss}}\n")
     _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out",
                        "megatron option 'moe_router_load_balancing_type' only as 'seq_aux_loss'")
+
+
+def test_a_coefficient_per_load_balancing_type_is_megatrons(tmp_path):
+    """``model.moe_aux_loss_coeff`` as a list goes with megatron's list of load-balancing types; the reference
+    trainer, with its one seq_aux_loss, refuses it in one line."""
+    case = tmp_path / "case.yaml"
+    case.write_text(f"extends: {SMALL}\ntrainer: reference\nmodel: {{moe_aux_loss_coeff: [1.0e-4, 1.0e-3]}}\n")
+    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out",
+                       "moe_aux_loss_coeff as a list", "reference trainer")
+    case.write_text(f"extends: {SMALL}\nmodel: {{moe_aux_loss_coeff: [1.0e-4, -1.0]}}\n")
+    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out",
+                       "model.moe_aux_loss_coeff", ">= 0")

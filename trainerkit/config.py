@@ -96,7 +96,9 @@ class ModelConfig(_Strict):
     moe_router_enable_expert_bias: bool = True
     moe_router_bias_update_rate: float = Field(1e-3, ge=0)
     moe_router_topk_scaling_factor: float = Field(2.5, gt=0)
-    moe_aux_loss_coeff: float = Field(1e-4, ge=0)      # seq_aux_loss
+    # seq_aux_loss's; a list: one per load-balancing type of megatron's moe_router_load_balancing_type list
+    # (megatron-core trainer, `RunConfig.megatron`)
+    moe_aux_loss_coeff: Union[float, list[float]] = 1e-4
     # MTP (DeepSeek-V3 §2.2; Megatron multi_token_prediction.py)
     mtp_num_layers: int = Field(1, ge=0, le=64)
     mtp_loss_scaling_factor: float = Field(0.1, ge=0)
@@ -113,6 +115,15 @@ class ModelConfig(_Strict):
     untie_embeddings_and_output_weights: Literal[True] = True
     hidden_dropout: Literal[0.0] = 0.0
     attention_dropout: Literal[0.0] = 0.0
+
+    @field_validator("moe_aux_loss_coeff")
+    @classmethod
+    def _coeff(cls, v):
+        if any(x < 0 for x in (v if isinstance(v, list) else [v])):
+            raise ValueError("moe_aux_loss_coeff must be >= 0")
+        if isinstance(v, list) and not 1 <= len(v) <= 16:
+            raise ValueError("moe_aux_loss_coeff as a list has one coefficient per load-balancing type (1..16)")
+        return v
 
     @field_validator("moe_layer_freq")
     @classmethod
