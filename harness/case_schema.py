@@ -80,7 +80,7 @@ class ExpectedDivergence(_Strict):
     kind: Literal["inventory", "loss", "grad", "grad_norm", "param"]
     name: Optional[str] = None
     _name_printable = field_validator("name")(bounds.printable)
-    microbatch: Optional[int] = None
+    microbatch: Optional[int] = Field(None, ge=0)
     max_ulp: Optional[int] = Field(None, ge=0)
 
 

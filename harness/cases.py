@@ -92,8 +92,10 @@ def _loc(err: ValidationError, raw: Optional[dict] = None) -> str:
             isinstance(items[loc[1]], dict) else None
         if isinstance(name, str) and name.isprintable() and loc[2:3] != ["name"]:
             return f"variant {name!r}: {'.'.join(str(p) for p in loc[2:]) or '(the variant)'}: {first['msg']}"
-    where = ".".join(str(p) for p in loc) or "(top level)"
-    return f"{where}: {first['msg']}"
+    # a model validator's ValueError has no key path and pydantic's "Value error, " prefix: the message names it
+    msg = first["msg"].removeprefix("Value error, ")
+    where = ".".join(str(p) for p in loc)
+    return f"{where}: {msg}" if where else msg
 
 
 def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Optional[str] = None,
@@ -212,6 +214,12 @@ def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: l
         raise UsageError(f"{where}: model.moe_router_init_method_std makes router top-k ties, and the trainers break "
                          "them differently by design (reference: the lower expert index; megatron-core: torch.topk, "
                          "whose order among equal values is unspecified): compare a case without it")
+    for i, e in enumerate([x] + list(x.megatron_versions)):
+        at = where + ("" if i == 0 else f".megatron_versions[{i - 1}] ({e.versions})")
+        if e.first_beyond_bound is not None:
+            if e.expect != "disagree":
+                raise UsageError(f"{at}: first_beyond_bound is only meaningful with expect: disagree")
+            expectations.check_place_name(f"{at}: first_beyond_bound", e.first_beyond_bound, spec.model)
     mine = run.config.model_copy(update={"params_dtype": x.params_dtype})
     other = mine.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
     problem = trainers.problem(mine) or trainers.problem(other)

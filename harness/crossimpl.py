@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from trainerkit.config import DumpConfig, RunConfig
 
 from . import trainers
+from .bounds import printable
 from .expectations import check_specifiers, entry_for
 from .runner import run_ranks
 from .trace import Trace, TraceError, merge
@@ -60,6 +61,7 @@ class CrossImplementationSpec(BaseModel):
     bug: Optional[str] = Field(None, max_length=300)     # the upstream bug a disagreement shows (the report says it)
     # per megatron-core version (PEP 440 specifiers; the first match replaces expect / first_beyond_bound / bug)
     megatron_versions: list["CrossVersionExpectation"] = Field(default_factory=list, max_length=16)
+    _printable = field_validator("variant", "first_beyond_bound", "bug")(printable)
 
 
 class CrossVersionExpectation(BaseModel):
@@ -72,6 +74,7 @@ class CrossVersionExpectation(BaseModel):
     bug: Optional[str] = Field(None, max_length=300)
 
     _specifiers = field_validator("versions")(check_specifiers)
+    _printable = field_validator("versions", "first_beyond_bound", "bug")(printable)
 
 
 CrossImplementationSpec.model_rebuild()

@@ -133,10 +133,22 @@ def check_specifiers(versions: str) -> str:
         ValueError: one line naming the text."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
     try:
-        SpecifierSet(versions)
+        parsed = SpecifierSet(versions)
     except InvalidSpecifier:
-        raise ValueError(f"{versions!r} is not a PEP 440 version specifier (e.g. '<0.17' or '>=0.17,<0.20')") from None
+        parsed = None
+    if not parsed:          # "" / " " / "," parse to the empty set, which matches every version
+        raise ValueError(f"{versions!r} is not a PEP 440 version specifier (e.g. '<0.17' or '>=0.17,<0.20')")
     return versions
+
+
+def check_place_name(where: str, name: str, model: ModelConfig) -> None:
+    """A cross-implementation place: ``loss`` or a parameter of `model` (its gradient).
+
+    Raises:
+        UsageError: one line naming `where` and the name."""
+    problem = "" if name == "loss" else _parameter_problem(name, model)
+    if problem:
+        raise UsageError(f"{where} {name!r}: name 'loss' or a parameter; it {problem}")
 
 
 def entry_for(declared, version: Optional[str]):

@@ -78,7 +78,10 @@ def transformer_config(cfg: RunConfig):
     )
     # the case's own megatron options (`options`) over bitparity's: Megatron-LM's arguments reach the config by
     # field name
-    config = MLATransformerConfig(**{**kwargs, **options.for_config(cfg, "MLATransformerConfig")})
+    mine = options.for_config(cfg, "MLATransformerConfig")
+    if "batch_p2p_comm" in mine and "overlap_p2p_comm" not in mine:     # Megatron-LM: batch = not overlap
+        mine["overlap_p2p_comm"] = not mine["batch_p2p_comm"] and virtual is not None
+    config = MLATransformerConfig(**{**kwargs, **mine})
     if relax:
         config.bf16 = False
     return config

@@ -20,7 +20,9 @@ import difflib
 import re
 import types
 import warnings
-from typing import Optional
+from typing import Annotated, Optional
+
+from pydantic import Field
 
 from trainerkit.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 
@@ -31,9 +33,30 @@ from trainerkit.config import ModelConfig, ParallelConfig, RunConfig, TrainingCo
 LOOP = {"lr_decay_style": "constant", "lr_warmup_iters": 0, "lr_decay_iters": None, "lr_warmup_init": 0.0,
         "start_weight_decay": None, "end_weight_decay": None, "weight_decay_incr_style": "constant",
         "get_embedding_ranks": "pretrain_gpt"}
-_LOOP_TYPES = {"lr_decay_style": str, "lr_warmup_iters": int, "lr_decay_iters": Optional[int],
-               "lr_warmup_init": float, "start_weight_decay": Optional[float], "end_weight_decay": Optional[float],
-               "weight_decay_incr_style": str, "get_embedding_ranks": str}
+_LOOP_TYPES = {"lr_decay_style": str, "lr_warmup_iters": Annotated[int, Field(ge=0)],
+               "lr_decay_iters": Optional[Annotated[int, Field(ge=1)]], "lr_warmup_init": Annotated[float, Field(ge=0)],
+               "start_weight_decay": Optional[Annotated[float, Field(ge=0)]],
+               "end_weight_decay": Optional[Annotated[float, Field(ge=0)]], "weight_decay_incr_style": str,
+               "get_embedding_ranks": str}
+#: options bitparity's megatron trainer cannot run, measured (each failed inside the ranks after megatron's own
+#: config checks passed), with why: refused while planning, so nothing that passes validation crashes later
+UNSUPPORTED = {
+    "recompute_granularity": "activation recomputation needs CUDA's RNG tracker in megatron (not on CPU / gloo)",
+    "moe_grouped_gemm": "grouped GEMM needs Transformer Engine or nv-grouped-gemm",
+    "gradient_accumulation_fusion": "needs APEX / Transformer Engine's fused wgrad kernels",
+    "enable_cuda_graph": "CUDA graphs need CUDA", "cuda_graph_impl": "CUDA graphs need CUDA",
+    "moe_token_dispatcher_type": "the trainer runs the alltoall dispatcher (flex needs DeepEP; allgather untried)",
+    "context_parallel_size": "bitparity runs CP = 1", "optimizer_cpu_offload": "needs the distributed optimizer",
+    "num_distributed_optimizer_instances": "needs the distributed optimizer",
+    "microbatch_group_size_per_vp_stage": "the interleaved schedule's grouping is megatron's default (P)",
+    "check_for_nan_in_grad": "megatron then stops the rank at a NaN gradient; bitparity checks finiteness itself "
+                             "(a run that is not finite fails, `expect: not_finite` states a bug caught so)",
+}
+#: options that change the model's parameters: bitparity's model is DeepSeek-V3's (MLA, RMSNorm, no biases, untied
+#: head), whose global parameter names both trainers share (trainerkit.names)
+_ARCHITECTURE = ("normalization", "multi_latent_attention", "add_bias_linear", "add_qkv_bias", "num_query_groups",
+                 "layernorm_zero_centered_gamma", "qk_layernorm", "gated_linear_unit", "share_embeddings_and_output_weights",
+                 "position_embedding_type", "mtp_use_repeated_layer")
 EMBEDDING_RANKS = ("pretrain_gpt", "parallel_state")
 #: values megatron-core's configs take as plain strings and Megatron-LM's argument parser restricts
 #: (training/arguments.py ``choices=``): megatron-core itself silently ignores an unknown one (a misspelt
@@ -103,18 +126,33 @@ def _plain(annotation) -> bool:
     return words <= _PLAIN
 
 
-def _type_problem(name: str, annotation, value) -> Optional[str]:
+def _type_problem(name: str, annotation, value, ours: bool = False) -> Optional[str]:
+    """Why `value` cannot be megatron option `name` of type `annotation` (None when it can).  `ours`: a
+    training-loop option, whose annotation (`_LOOP_TYPES`) is bitparity's and carries its bounds."""
     from pydantic import TypeAdapter, ValidationError
-    if not _plain(annotation):
+    if not ours and not _plain(annotation):
         return f"megatron option {name!r}: its type ({annotation}) is not a value a case file can give"
+    adapter = TypeAdapter(annotation)
     try:
-        TypeAdapter(annotation).validate_python(value, strict=True) if not isinstance(value, int) else \
-            TypeAdapter(annotation).validate_python(value)       # an int may stand for a float (YAML `0`)
+        adapter.validate_python(value, strict=True)     # no bool for an int, no 1 for True, no "4" for 4
     except ValidationError as e:
-        return f"megatron option {name!r}: {value!r} is not a {annotation} ({e.errors()[0]['msg']})"
+        if not isinstance(value, bool) and isinstance(value, int):
+            try:
+                adapter.validate_python(float(value), strict=True)   # YAML `0` for a float
+                return None
+            except ValidationError:
+                pass
+        shown = "" if ours else f" is not a valid {getattr(annotation, '__name__', None) or str(annotation).replace('typing.', '')}"
+        return f"megatron option {name!r}: {_short(value)}{shown} ({e.errors()[0]['msg']})"
     except Exception:       # an annotation pydantic cannot build a validator for: let megatron decide
         return None
     return None
+
+
+def _short(value) -> str:
+    """`repr(value)` cut to 60 characters (an error line names the value, never a page of it)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _unknown(name: str, known: set) -> str:
@@ -134,8 +172,13 @@ def names_problem(cfg: RunConfig) -> Optional[str]:
         where = owner(name)
         if where is not None:
             return f"megatron option {name!r} is bitparity's to set: {where}"
+        if name in UNSUPPORTED:
+            return f"megatron option {name!r} is not supported by bitparity's megatron trainer: {UNSUPPORTED[name]}"
+        if name in _ARCHITECTURE:
+            return (f"megatron option {name!r} changes the model's parameters: bitparity's model is DeepSeek-V3's "
+                    "(MLA, RMSNorm, SwiGLU, no biases, untied head), the same in both trainers")
         if name in LOOP:
-            problem = _type_problem(name, _LOOP_TYPES[name], value)
+            problem = _type_problem(name, _LOOP_TYPES[name], value, ours=True)
         elif name in fields:
             problem = _type_problem(name, fields[name], value)
         else:
@@ -145,7 +188,13 @@ def names_problem(cfg: RunConfig) -> Optional[str]:
         choices = _CHOICES.get(name)
         bad = [x for x in (value if isinstance(value, list) else [value]) if choices and x not in choices]
         if bad:
-            return f"megatron option {name!r}: {bad[0]!r} is not one of {', '.join(choices)} (Megatron-LM's arguments)"
+            return f"megatron option {name!r}: {_short(bad[0])} is not one of {', '.join(choices)} (Megatron-LM's arguments)"
+    balancing = cfg.megatron.get("moe_router_load_balancing_type")
+    coeff = cfg.model.moe_aux_loss_coeff
+    if "sinkhorn" in (balancing if isinstance(balancing, list) else [balancing]) and \
+            any(coeff if isinstance(coeff, list) else [coeff]):
+        return ("megatron option 'moe_router_load_balancing_type': megatron's router takes no aux loss with sinkhorn "
+                "(it fails in the ranks): set model.moe_aux_loss_coeff: 0")
     ranks = cfg.megatron.get("get_embedding_ranks", "pretrain_gpt")
     if ranks not in EMBEDDING_RANKS:
         return f"megatron option 'get_embedding_ranks': {ranks!r} is not one of {', '.join(EMBEDDING_RANKS)}"
@@ -167,7 +216,7 @@ def scheduler(optimizer, cfg: RunConfig):
     wd_end = o["end_weight_decay"] if o["end_weight_decay"] is not None else t.weight_decay
     return OptimizerParamScheduler(
         optimizer, init_lr=o["lr_warmup_init"], max_lr=t.lr, min_lr=o["min_lr"], lr_warmup_steps=o["lr_warmup_iters"],
-        lr_decay_steps=o["lr_decay_iters"] or t.train_iters, lr_decay_style=o["lr_decay_style"], start_wd=wd_start,
+        lr_decay_steps=t.train_iters if o["lr_decay_iters"] is None else o["lr_decay_iters"], lr_decay_style=o["lr_decay_style"], start_wd=wd_start,
         end_wd=wd_end, wd_incr_steps=t.train_iters, wd_incr_style=o["weight_decay_incr_style"])
 
 

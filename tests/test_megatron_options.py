@@ -2,7 +2,7 @@
 
 * every kind of option reaches megatron, shown twice: by its effect (tests/cases/megatron-options.yaml: each
   variant differs from the baseline first where its option acts — step 1's update for a learning-rate decay,
-  the embedding/head update for ``decoupled_lr``, a router gradient for the z-loss — and a DDP check moves no
+  the embedding/head update for ``decoupled_lr``, a router gradient for the z-loss — and the DP average moves no
   bit), and read back from the objects megatron built, as each rank records them in its trace header;
 * a misspelt name, a name bitparity sets itself, a value of the wrong type, a field no YAML value can be, a
   value Megatron-LM's arguments refuse and a value megatron's own validators reject are one line each, naming
@@ -31,7 +31,7 @@ READ_BACK = {
     "optimizer-decoupled-lr": {"decoupled_lr": {"OptimizerConfig": 0.0},
                                "decoupled_min_lr": {"OptimizerConfig": 0.0}},
     "transformer-z-loss": {"moe_z_loss_coeff": {"MLATransformerConfig": 0.5}},
-    "ddp-check-nan": {"check_for_nan_in_grad": {"DistributedDataParallelConfig": True},
+    "ddp-average-in-collective": {"average_in_collective": {"DistributedDataParallelConfig": True},
                       "get_embedding_ranks": {"embedding_ranks": [0, 1]}},
 }
 
@@ -45,7 +45,7 @@ def test_every_kind_of_option_reaches_megatron(tmp_path):
     assert runs["loop-lr-linear"]["first_divergence"]["step"] == 1
     assert runs["optimizer-decoupled-lr"]["first_divergence"]["name"] in ("embedding.word_embeddings.weight",
                                                                           "output_layer.weight")
-    assert runs["ddp-check-nan"]["bitwise_equal"] is True
+    assert runs["ddp-average-in-collective"]["bitwise_equal"] is True
     for name, want in READ_BACK.items():
         header = _header(tmp_path, name)
         assert header["settings"]["megatron_options"] == want, (name, header["settings"]["megatron_options"])

@@ -6,6 +6,7 @@ and `megatron/training/arguments.py`.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal, Optional, Union
 
@@ -331,6 +332,20 @@ class RunConfig(_Strict):
     megatron: dict[str, Union[bool, int, float, str, None, list[Union[bool, int, float, str]]]] = \
         Field(default_factory=dict, max_length=256)
     rank_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S)  # gloo collective / p2p timeout inside ranks
+
+    @field_validator("megatron", mode="before")
+    @classmethod
+    def _megatron_values(cls, v):
+        # before the typed check, whose Union reports its first member ("should be a valid boolean") for a NaN or
+        # a mapping: name the option and the real problem
+        for name, value in (v.items() if isinstance(v, dict) else []):
+            for x in (value if isinstance(value, list) else [value]):
+                if isinstance(x, float) and not math.isfinite(x):
+                    raise ValueError(f"megatron option {name!r}: {x} is not finite")
+                if isinstance(x, (dict, list)):
+                    raise ValueError(f"megatron option {name!r}: a {'mapping' if isinstance(x, dict) else 'nested list'} "
+                                     "is not an option value (a scalar, or a list of scalars)")
+        return v
 
     @model_validator(mode="after")
     def _expert_parallel(self):
