@@ -33,7 +33,7 @@ from trainerkit.config import DumpConfig, RunConfig
 
 from . import trainers
 from .bounds import printable
-from .expectations import check_specifiers, entry_for
+from .expectations import bugs_elsewhere, check_specifiers, entry_for
 from .runner import run_ranks
 from .trace import Trace, TraceError, merge
 from .ulp import tensor_stats, ulp_distance
@@ -82,9 +82,11 @@ CrossImplementationSpec.model_rebuild()
 
 def expected(spec: CrossImplementationSpec, version: Optional[str]) -> dict:
     """{expect, first_beyond_bound, bug} that hold on megatron-core `version` (None: the spec's own)."""
-    entry = entry_for(spec, version) or spec
+    applied = entry_for(spec, version)
+    entry = applied or spec
     return {"expect": entry.expect, "first_beyond_bound": entry.first_beyond_bound,
-            "bug": entry.bug if entry.bug is not None else spec.bug}
+            "bug": entry.bug if entry.bug is not None else spec.bug,
+            "bug_elsewhere": bugs_elsewhere(spec, applied)}
 
 
 def judge(rec: dict, want: dict) -> dict:
@@ -92,7 +94,8 @@ def judge(rec: dict, want: dict) -> dict:
     a ``disagree`` expectation passes only when the runs disagree first where it says, and for no other reason
     (weights, inventory or data that differ mean the comparison itself is broken).  The measured verdict stays
     in ``measured``."""
-    rec = {**rec, **{f"expected_{k}" if k != "bug" else k: v for k, v in want.items()}, "measured": rec["verdict"]}
+    rec = {**rec, **{f"expected_{k}" if k not in ("bug", "bug_elsewhere") else k: v for k, v in want.items()},
+           "measured": rec["verdict"]}
     if want["expect"] == "agree" or rec["verdict"] == "error":
         return rec
     fb = rec.get("first_beyond_bound")

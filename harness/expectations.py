@@ -174,3 +174,11 @@ def resolve(run, version: Optional[str]):
         "expect": entry.expect, "first_divergence": entry.first_divergence, "signature": entry.signature,
         "bug": entry.bug if entry.bug is not None else declared.bug})
     return dataclasses.replace(run, spec=spec, declared=declared)
+
+
+def bugs_elsewhere(declared, applied) -> list[str]:
+    """The bugs `declared`'s other `megatron_versions` entries state (not `applied`, not the run's own), as
+    ``"<bug> (megatron-core <versions>)"``: what the report lists as passing on this run's megatron."""
+    own = applied.bug if applied is not None and applied.bug else declared.bug
+    return [f"{e.bug} (megatron-core {e.versions})" for e in declared.megatron_versions
+            if e is not applied and e.bug and e.bug != own]

@@ -123,6 +123,9 @@ class VariantResult:
     # wrong when not finite (`harness.trace.NonFinite` as words); None / "" otherwise
     bug: Optional[str] = None
     nonfinite: str = ""
+    # bugs the case states for other megatron versions than this run's, "<bug> (megatron-core <versions>)": the
+    # report says they pass here
+    bug_elsewhere: list = field(default_factory=list)
 
     @property
     def schedule(self) -> str:

@@ -21,7 +21,7 @@ from trainerkit.config import CheckpointConfig
 from trainerkit.data import text_sha256
 from trainerkit.schedule import build_schedule, serialise, timeline
 
-from . import agreement, crossimpl, golden, outdir, signature, trainers
+from . import agreement, crossimpl, expectations, golden, outdir, signature, trainers
 from .arithmetic import environment
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
@@ -165,6 +165,15 @@ def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
             return "fail", "unexpected difference", f"{_where_words(fd)} is allowed, but {replica_why}"
         return "pass", "differs only where allowed", f"differs only where allowed: {_where_words(fd)}"
     return "pass", "differs as expected", f"differs as expected; {where}"
+
+
+def _bugs_elsewhere(run: PlannedRun) -> list[str]:
+    """The bugs `run`'s variant states for other megatron versions than the one it ran on."""
+    declared = run.declared or run.spec
+    if run.config.trainer != "megatron-core" or not declared.megatron_versions:
+        return []
+    return expectations.bugs_elsewhere(declared, expectations.entry_for(
+        declared, trainers.megatron_version(run.config.megatron_path)))
 
 
 def _judge_nonfinite(spec, nonfinite, verdict: str, happened: str, reason: str,
@@ -317,15 +326,20 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             None if ref is not None else f"reference run {ref_name!r} did not run, nothing to compare with")
         cmp = compare(ref, trace) if error is None else None
         replicas = replica_status(trace) if trace is not None else {}
-        verdict, happened, reason, outside = signature.judge(judge(run, cmp, error, replicas, repeats.get(name)),
-                                                             run.spec, cmp, t.clip_grad > 0)
+        # a run on --megatron-base asks one thing: did base move a bit against head?  Broken alike on both (a bug
+        # the case states: NaN, a drifting replica) it is equal; its head run's own expectation judges the breakage
+        alike = run.twin_of is not None and cmp is not None and cmp.bitwise_equal
+        verdict, happened, reason, outside = signature.judge(
+            judge(run, cmp, error, None if alike else replicas, repeats.get(name)), run.spec, cmp, t.clip_grad > 0)
         corrupted = boundary_mismatches(trace) if trace is not None else []
         if corrupted and verdict != "error":
             verdict, happened, reason = "fail", "unexpected difference", f"stage boundary: {corrupted[0]}"
         # NaN bits compare equal to themselves: a broken run must not pass as "equal" (a `diverge` run may be
         # broken on purpose, so it only says so)
         nonfinite = first_nonfinite(trace) if trace is not None else None
-        if verdict != "error":
+        if alike and nonfinite:
+            reason += f" (not finite on both: {nonfinite})"
+        elif verdict != "error":
             verdict, happened, reason = _judge_nonfinite(run.spec, nonfinite, verdict, happened, reason,
                                                          planted=run.config.inject is not None)
         coverage = overlap_coverage(trace, run.config.parallel.overlap_moe_expert_parallel_comm) \
@@ -362,7 +376,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             bubble_fraction=bubble, inventory=list(cmp.inventory) if cmp else [], replica_status=replicas,
             run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error,
             localisation=where or {}, outside_signature=signature.lines(outside),
-            outside_signature_count=len(outside), bug=run.spec.bug, nonfinite=str(nonfinite or "")))
+            outside_signature_count=len(outside), bug=run.spec.bug, nonfinite=str(nonfinite or ""),
+            bug_elsewhere=_bugs_elsewhere(run)))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env.update(plan.facts(), launcher=launcher)
     for role in ("head", "base"):

@@ -84,6 +84,8 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
     for v in result.variants:
         name = md_cell(v.name) + (" (baseline)" if v.name == result.baseline else "")
         fd = divergence_words(v.first_divergence)
+        if getattr(v, "nonfinite", ""):     # where it broke says more than where it first differed
+            fd = f"not finite: {v.nonfinite}"
         if not fd:      # an error, or a failure with no divergence (not finite, replicas, run-to-run): its reason
             fd = "—" if v.verdict == "pass" else md_cell(v.reason) or "—"
         else:

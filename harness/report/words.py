@@ -241,6 +241,8 @@ OUTCOME_STYLE = {
     "unexpected difference": ("unexpected", "✗", "unexpected difference"),
     "unexpectedly equal": ("unexpected", "✗", "unexpectedly equal"),
     "not finite": ("unexpected", "✗", "not finite"),
+    "not finite as expected": ("expected", "nan", "not finite as expected (a bug caught)"),
+    "unexpectedly finite": ("unexpected", "✗", "unexpectedly finite"),
     "error": ("error", "!", "error"),
     "reference": ("reference", "ref", "reference run"),
 }
@@ -343,14 +345,27 @@ def megatron_source_words(src: dict) -> str:
 
 
 def bug_words(v: VariantResult) -> Optional[str]:
-    """What a run that states an upstream bug (``bug:``) showed, in one line: ``caught`` (its verdict passes: the
-    bug showed where the case says) with what moved first and how far — the first divergence (step, kind,
-    tensor, ULPs of a scalar), the largest per-element ULP distance among the differing tensors of the ULP
-    evidence and which tensor, or where training first stopped being finite — or ``NOT caught`` with the
-    reason.  None for a run without a bug."""
+    """What a run that states an upstream bug showed, in one line, or None for a run that states none.
+
+    A run whose expectation demands the bug (``diverge``, ``not_finite``) and passes: ``caught`` with what moved
+    first and how far — the first divergence (step, kind, tensor; ULPs of a scalar), the largest per-element ULP
+    distance in the ULP evidence and which tensor, or where training first stopped being finite; failing: ``NOT
+    caught`` and why.  A bug stated with an expectation of equality, or only for other megatron versions
+    (``bug_elsewhere``): whether it is absent here."""
     bug = getattr(v, "bug", None)
-    if not bug:
-        return None
+    lines = []
+    if bug and v.expect in ("diverge", "not_finite"):
+        lines.append(_caught(v, bug))
+    elif bug:
+        lines.append(f"{clean_text(bug)}: {'absent here' if v.verdict == 'pass' else 'NOT as stated'} — "
+                     f"{clean_text(v.reason)}")
+    for other in getattr(v, "bug_elsewhere", None) or []:
+        lines.append(f"{clean_text(other)}: {'passes' if v.verdict == 'pass' else 'FAILS'} on this megatron — "
+                     f"{clean_text(v.reason)}")
+    return "; ".join(lines) or None
+
+
+def _caught(v: VariantResult, bug: str) -> str:
     if v.verdict != "pass":
         return f"{clean_text(bug)}: NOT caught — {clean_text(v.reason)}"
     parts = []
@@ -358,7 +373,7 @@ def bug_words(v: VariantResult) -> Optional[str]:
         parts.append(f"not finite first at {clean_text(v.nonfinite)}")
     fd = v.first_divergence
     if fd is not None and not getattr(v, "nonfinite", ""):
-        parts.append(f"moved first: {divergence_words(fd)}")
+        parts.append(f"moved first: {divergence_words(fd)}" + (f", {fd.ulp} ULP" if fd.ulp is not None else ""))
     worst = max((r for r in v.ulp_evidence or [] if isinstance(r, dict) and r.get("max_ulp") is not None),
                 key=lambda r: r["max_ulp"], default=None)
     if worst is not None:
@@ -374,8 +389,20 @@ def _sig(x: Any) -> str:
 
 
 def cross_bug_words(rec: Any) -> Optional[str]:
-    """The cross-implementation comparison's bug line (its ``bug`` on this megatron version), or None."""
-    if not isinstance(rec, dict) or not rec.get("bug") or rec.get("expected_expect") != "disagree":
+    """The cross-implementation comparison's bug line (its ``bug`` on this megatron version, or the bugs it states
+    for other versions), or None: caught or not, the first tensor beyond the bound and the farthest one."""
+    if not isinstance(rec, dict):
         return None
-    state = "caught" if rec.get("verdict") == "pass" else "NOT caught"
-    return f"{clean_text(rec['bug'])}: {state} by the cross-implementation check — {clean_text(rec.get('reason', ''))}"
+    lines = []
+    if rec.get("bug") and rec.get("expected_expect") == "disagree":
+        state = "caught" if rec.get("verdict") == "pass" else "NOT caught"
+        worst = max((r for r in rec.get("tensors") or [] if isinstance(r, dict) and r.get("grad")),
+                    key=lambda r: r["grad"].get("scaled_ulp") or 0, default=None)
+        far = f"; farthest: gradient of {clean_text(worst['key'])}, {_sig(worst['grad'].get('scaled_ulp'))} ULP at " \
+            "tensor scale" if worst is not None and state == "caught" else ""
+        lines.append(f"{clean_text(rec['bug'])}: {state} by the cross-implementation check — "
+                     f"{clean_text(rec.get('reason', ''))}{far}")
+    for other in rec.get("bug_elsewhere") or []:
+        lines.append(f"{clean_text(other)}: {'passes' if rec.get('verdict') == 'pass' else 'FAILS'} on this "
+                     f"megatron — {clean_text(rec.get('reason', ''))}")
+    return "; ".join(lines) or None
