@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import yaml
 from hypothesis import HealthCheck, Phase, given, reject, seed, settings
+from hypothesis.errors import Flaky
 
 from trainerkit.config import ParallelConfig
 from trainerkit.layout import PipelineLayout
@@ -25,6 +26,7 @@ from trainerkit.schedule import ScheduleError, check_sizes
 
 from .cases import CasePlan
 from .compare import compare
+from .trace import first_nonfinite
 from . import bounds
 from .errors import UsageError
 from . import trainers
@@ -103,6 +105,10 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
         if not outcome.ok:
             raise UsageError(f"baseline {plan.runs[0].spec.name!r} failed: {outcome.error.splitlines()[0]}")
         baseline = merge(work / "baseline", base_cfg.parallel.world_size)
+        broken = first_nonfinite(baseline)
+        if broken:      # every layout would compare NaN with NaN: nothing to find
+            raise UsageError(f"baseline {plan.runs[0].spec.name!r} is not finite ({broken}): fuzz compares layouts "
+                             "with a baseline that trains")
         state = {"last": None, "shrinking": False}
 
         def check(example) -> None:
@@ -132,8 +138,12 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
                 why = f"error: {out.error.splitlines()[0]}"
             else:
                 try:
-                    cmp = compare(baseline, merge(run_dir, pp))
-                    if not cmp.bitwise_equal:
+                    trace = merge(run_dir, pp)
+                    cmp = compare(baseline, trace)
+                    broken = first_nonfinite(trace)
+                    if broken:
+                        why = f"not finite: {broken}"
+                    elif not cmp.bitwise_equal:
                         fd = cmp.first_divergence
                         why = f"step {fd.step} {fd.kind} {fd.name}" + (f" mb {fd.microbatch}" if fd.microbatch
                                                                       is not None else "")
@@ -157,6 +167,8 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
                 seed(rng.getrandbits(64))(test)()
             except _Differs:
                 break
+            except Flaky:       # a failing layout that no longer fails when shrinking re-runs it (out of time, or a
+                break           # hang that timed out once): the failure recorded first stands
             progress(f"  {result.tried} layouts, {len(result.grids)} distinct grids, "
                      f"{60 * result.tried / (time.monotonic() - start):.0f}/min")
         result.failure = state["last"]
@@ -180,8 +192,9 @@ def write_minimal_case(plan: CasePlan, failure: dict, out_root: Path, inject: Op
             "description": f"minimal failing layout found by bitparity fuzz: {failure['why']}",
             "timeout_s": spec.timeout_s, "device": spec.device, "trainer": spec.trainer,
             "model": spec.model.model_dump(mode="json"),
-            "training": spec.training.model_dump(mode="json", exclude={"data"}) | (
-                {"data": spec.training.data.model_dump(mode="json")} if spec.training.data.path else {}),
+            # the whole computation, megatron options and data (masks, padding) included, so the case reproduces
+            "megatron": dict(spec.megatron),
+            "training": spec.training.model_dump(mode="json"),
             "baseline": spec.baseline.model_dump(mode="json", exclude_none=True),
             "variants": [{"name": "minimal", "pipeline_model_parallel_layout": failure["layout"],
                           "pipeline_model_parallel_size": failure["pp"], "expect": "bitwise",

@@ -47,3 +47,23 @@ def test_random_layouts_canonical_with_clipping(tmp_path):
     proc = run_cli("fuzz", case, "--budget", "15s", "--seed", "5", "--out", tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no layout differed from the baseline" in proc.stdout
+
+
+def test_the_minimal_case_keeps_the_whole_computation(tmp_path):
+    """The written case reproduces: the case's megatron options and its data (masks, padding) go with it."""
+    from harness.cases import load_case
+    from harness.fuzz import write_minimal_case
+    case = tmp_path / "c.yaml"
+    case.write_text(
+        "name: c\nmodel: {num_layers: 4, moe_layer_freq: '[0]*1+[1]*3'}\n"
+        "megatron: {calculate_per_token_loss: true}\n"
+        "training: {train_iters: 2, seq_length: 8, num_microbatches: 4,\n"
+        "           data: {pad_fraction: 0.5, empty_microbatches: [[1, 3]]}}\n"
+        "baseline: {name: pp2, pipeline_model_parallel_layout: 'Ett|ttmL', pipeline_model_parallel_size: 2}\n"
+        "variants:\n  - {name: pp4, pipeline_model_parallel_layout: 'Et|tt|tm|L', pipeline_model_parallel_size: 4}\n")
+    plan = load_case(case)
+    path = write_minimal_case(plan, {"layout": "Et|tt|tm|L", "pp": 4, "why": "step 0 grad x"}, tmp_path / "o", None)
+    again = load_case(path)
+    minimal = next(r for r in again.runs if r.spec.name == "minimal")
+    assert minimal.config.megatron == {"calculate_per_token_loss": True}
+    assert minimal.config.training.data == plan.runs[0].config.training.data

@@ -70,9 +70,21 @@ def _header(out, name: str) -> dict:
     ("lr_decay_style: bogus", ["'lr_decay_style'", "megatron-core rejects this run"]),
     ("get_embedding_ranks: first", ["'get_embedding_ranks'", "pretrain_gpt, parallel_state"]),
     ("Bad-Name: 1", ["megatron option 'Bad-Name'", "lower_case_with_underscores"]),
-    ("moe_z_loss_coeff: {a: 1}", ["megatron.moe_z_loss_coeff"]),
+    ("moe_z_loss_coeff: {a: 1}", ["'moe_z_loss_coeff'", "a mapping is not an option value"]),
+    ("min_lr: .nan", ["'min_lr'", "nan is not finite"]),
+    ("calculate_per_token_loss: 1", ["'calculate_per_token_loss'", "valid boolean"]),
+    ("moe_z_loss_coeff: true", ["'moe_z_loss_coeff'", "True"]),
+    ("lr_warmup_iters: -1", ["'lr_warmup_iters'", "greater than or equal to 0"]),
+    ("lr_decay_iters: 0", ["'lr_decay_iters'", "greater than or equal to 1"]),
+    ("recompute_granularity: full", ["'recompute_granularity'", "not supported by bitparity's megatron trainer"]),
+    ("check_for_nan_in_grad: true", ["'check_for_nan_in_grad'", "bitparity checks finiteness itself"]),
+    ("normalization: LayerNorm", ["'normalization'", "changes the model's parameters"]),
+    ("moe_router_load_balancing_type: sinkhorn", ["sinkhorn", "moe_aux_loss_coeff: 0"]),
+    (f"moe_z_loss_coeff: '{'x' * 500}'", ["'moe_z_loss_coeff'", "..."]),
 ])
 def test_a_bad_option_is_one_line_naming_it(tmp_path, option, fragments):
+    """Refused before anything runs; each of these (but the misspelling and the types) passed megatron's config
+    checks and then failed inside every rank, or passed as another value than the case wrote."""
     case = tmp_path / "case.yaml"
     case.write_text(f"extends: {SMALL}\nvariants:\n  - {{name: v, pipeline_model_parallel_layout: 'Et|t|t|tmL', "
                     f"pipeline_model_parallel_size: 2, megatron: {{{option}}}}}\n")
@@ -101,3 +113,16 @@ def test_a_coefficient_per_load_balancing_type_is_megatrons(tmp_path):
     case.write_text(f"extends: {SMALL}\nmodel: {{moe_aux_loss_coeff: [1.0e-4, -1.0]}}\n")
     _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out",
                        "model.moe_aux_loss_coeff", ">= 0")
+
+
+def test_batch_p2p_alone_is_megatron_lms_pairing(tmp_path):
+    """``batch_p2p_comm: true`` alone turns the overlapped p2p off (Megatron-LM: batch_p2p_comm = not
+    overlap_p2p_comm), as the rank's trace header shows; megatron refuses the two together.  (At P=2 V=2 the
+    batched p2p then pairs the wrong payloads on gloo: cases/megatron-upstream-bugs.yaml.)"""
+    case = tmp_path / "case.yaml"
+    case.write_text(f"extends: {SMALL}\nvariants:\n  - {{name: v, pipeline_model_parallel_layout: 'Et|t|t|tmL', "
+                    "pipeline_model_parallel_size: 2, megatron: {batch_p2p_comm: true}, expect: diverge}\n")
+    proc = run_cli("verify", case, "--out", tmp_path / "out")
+    header = json.loads((tmp_path / "out/megatron-small/runs/v/rank0.jsonl").read_text().splitlines()[0])
+    assert (header["settings"]["batch_p2p_comm"], header["settings"]["overlap_p2p_comm"]) == (True, False), \
+        proc.stdout + proc.stderr

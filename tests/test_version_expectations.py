@@ -72,13 +72,13 @@ def test_a_cross_implementation_disagreement_passes_only_where_it_is_expected():
          "bug": "a22c40e8d6"}]})
     want = expected(spec, "0.16.1")
     assert want == {"expect": "disagree", "first_beyond_bound": "embedding.word_embeddings.weight",
-                    "bug": "a22c40e8d6"}
+                    "bug": "a22c40e8d6", "bug_elsewhere": []}
     assert judge_cross(_measured("fail"), want)["verdict"] == "pass"
     assert judge_cross(_measured("pass"), want)["verdict"] == "fail"
     assert judge_cross(_measured("fail", key="output_layer.weight"), want)["verdict"] == "fail"
     assert judge_cross(_measured("fail", broken=True), want)["verdict"] == "fail"
     agree = expected(spec, "0.19.2")
-    assert agree["expect"] == "agree"
+    assert agree["expect"] == "agree" and agree["bug_elsewhere"] == ["a22c40e8d6 (megatron-core <0.17)"]
     rec = judge_cross(_measured("fail"), agree)
     assert (rec["verdict"], rec["measured"]) == ("fail", "fail")
 
@@ -97,6 +97,8 @@ def test_mtp_on_pp_rank_0_is_megatron_rules_only():
     ("layout_rules: megatron", ["layout_rules: megatron needs trainer: megatron-core"]),
     ("expect: not_finite, first_divergence: {kind: grad}", ["expect: not_finite", "not grad"]),
     ("expect: not_finite, signature: [{from_step: 0}]", ["signature is not meaningful with expect: not_finite"]),
+    ("megatron_versions: [{versions: ' ', expect: bitwise}]", ["' ' is not a PEP 440 version specifier"]),
+    ("expect: diverge, first_divergence: {kind: loss, microbatch: -1}", ["microbatch", "greater than or equal to 0"]),
 ])
 def test_bad_version_expectations_are_one_line(tmp_path, extra, fragments):
     case = tmp_path / "c.yaml"
