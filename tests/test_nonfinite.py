@@ -66,5 +66,5 @@ def test_every_layout_nan_alike_fails(tmp_path):
     assert "training not finite: step 0 microbatch 0: lm loss is inf" in runs["pp1-planted"]["reason"]
     assert summary["all_pass"] is False and "not finite" in (tmp_path / "out/nan/index.html").read_text()
     # the merge-request comment says why, though there is no first divergence to show
-    assert "| ❌ fail not finite | training not finite: step 0 microbatch 0: lm loss is inf |" in \
+    assert "| ❌ fail not finite | not finite: step 0 microbatch 0: lm loss is inf |" in \
         (tmp_path / "out/nan/summary.md").read_text()

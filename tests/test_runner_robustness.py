@@ -148,8 +148,11 @@ def test_no_process_outlives_a_killed_harness(tmp_path, launcher, sig):
     libc = ctypes.CDLL(None, use_errno=True)
     # orphans are re-parented to this process (not init), so the test can reap whatever it started
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    # SIGINT as a terminal delivers it: a test run started in the background (nohup, `cmd &`) ignores it, and the
+    # harness rightly keeps an ignored SIGINT ignored (harness.interrupt.install)
     harness = subprocess.Popen([sys.executable, "-m", "harness", "verify", str(case), "--out", str(tmp_path / "out"),
-                                "--launcher", launcher], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                "--launcher", launcher], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               preexec_fn=_default_sigint)
     tree: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -213,6 +216,11 @@ def test_ctrl_c_at_any_moment_is_one_line_and_reaps_everything(tmp_path, delay_s
         proc.wait()
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT handled by default even when this test run inherited it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_an_interrupt_python_swallowed_still_stops_the_harness():
     """A KeyboardInterrupt raised inside a __del__ or weakref callback (importlib's module lock, on CI) is
     printed as "Exception ignored" and dropped; the harness's waiting loops still stop (harness.interrupt)."""
@@ -232,6 +240,7 @@ def test_an_interrupt_python_swallowed_still_stops_the_harness():
         except KeyboardInterrupt:
             print("stopped", flush=True)
     """)
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          preexec_fn=_default_sigint)
     assert "Exception ignored" in done.stderr and "KeyboardInterrupt" in done.stderr, done.stderr
     assert done.stdout.split() == ["went", "on", "stopped"], (done.stdout, done.stderr)
