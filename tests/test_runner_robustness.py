@@ -148,11 +148,11 @@ def test_no_process_outlives_a_killed_harness(tmp_path, launcher, sig):
     libc = ctypes.CDLL(None, use_errno=True)
     # orphans are re-parented to this process (not init), so the test can reap whatever it started
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    # SIGINT as a terminal delivers it: a test run started in the background (nohup, `cmd &`) ignores it, and the
-    # harness rightly keeps an ignored SIGINT ignored (harness.interrupt.install)
+    # the signals as a terminal delivers them: a test run started in the background (nohup, `cmd &`) ignores SIGHUP
+    # and SIGINT, and the harness rightly keeps an ignored SIGINT ignored (harness.interrupt.install)
     harness = subprocess.Popen([sys.executable, "-m", "harness", "verify", str(case), "--out", str(tmp_path / "out"),
                                 "--launcher", launcher], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               preexec_fn=_default_sigint)
+                               preexec_fn=_default_signals)
     tree: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -216,9 +216,11 @@ def test_ctrl_c_at_any_moment_is_one_line_and_reaps_everything(tmp_path, delay_s
         proc.wait()
 
 
-def _default_sigint() -> None:
-    """In the child before exec: SIGINT handled by default even when this test run inherited it ignored."""
+def _default_signals() -> None:
+    """In the child before exec: SIGINT and SIGHUP handled by default even when this test run inherited them
+    ignored (nohup)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def test_an_interrupt_python_swallowed_still_stops_the_harness():
@@ -241,6 +243,6 @@ def test_an_interrupt_python_swallowed_still_stops_the_harness():
             print("stopped", flush=True)
     """)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          preexec_fn=_default_sigint)
+                          preexec_fn=_default_signals)
     assert "Exception ignored" in done.stderr and "KeyboardInterrupt" in done.stderr, done.stderr
     assert done.stdout.split() == ["went", "on", "stopped"], (done.stdout, done.stderr)
