@@ -228,5 +228,5 @@ def compare(base: Trace, other: Trace) -> Comparison:
 def _per_family(keys: list, families: dict) -> dict:
     per_family = dict.fromkeys(FAMILIES, 0)
     for k in keys:
-        per_family[families[k]] += 1
+        per_family[families[k]] = per_family.get(families[k], 0) + 1   # names.OTHER: a user's own model
     return per_family

@@ -28,8 +28,7 @@ from trainerkit.config import RunConfig
 from trainerkit.data import TokenDataset
 from trainerkit.init import init_parameters
 from trainerkit import names
-from trainerkit.capture import FORMAT, TraceWriter, dump_tensors, scalar
-from trainerkit.fingerprint import fingerprint_hex_many
+from trainerkit.capture import RankCapture, dump_tensors, float64_scalar, param_entry, scalar
 
 from . import compat, faults, options
 from .coverage import OverlapCounter
@@ -208,19 +207,17 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
 
 
 def header(cfg: RunConfig, rank: int, device: torch.device, r: MegatronRank, setup_s: float) -> dict:
-    """The trace header record (TRACE_FORMAT.md) of pipeline rank `rank`."""
+    """The trace header's fields (TRACE_FORMAT.md; `trainerkit.capture.RankCapture`) of global rank `rank`."""
     import megatron.core
 
     from megatron.core import parallel_state as ps
-    return {"type": "header", "format": FORMAT, "rank": rank, "world_size": dist.get_world_size(),
+    return {"rank": rank, "world_size": dist.get_world_size(),
             "pp_rank": ps.get_pipeline_model_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank(),
             "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
             "dp_rank": ps.get_data_parallel_rank(), "data_parallel_size": ps.get_data_parallel_world_size(),
             "stages": [vp * cfg.parallel.pipeline_model_parallel_size + ps.get_pipeline_model_parallel_rank()
                        for vp in range(len(r.chunks))],
-            "params": [{"key": k, "name": gp.name, "replica": gp.replica, "shape": list(gp.param.shape),
-                        "dtype": str(gp.param.dtype).replace("torch.", ""), "family": names.family(gp.name),
-                        "weight_decay": r.decay[id(gp.param)], "order": list(names.order_key(gp.name))}
+            "params": [param_entry(k, gp.name, gp.replica, gp.param, r.decay[id(gp.param)])
                        for k, gp in zip(r.keys, r.params)],
             "reductions": "megatron", "device": str(device), "params_dtype": cfg.params_dtype,
             "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
@@ -257,11 +254,12 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, m.vocab_size)
     buffers = expert_biases(r.chunks)
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    writer = TraceWriter(trace_path)
-    writer.write(header(cfg, rank, device, r, time.perf_counter() - started))
-    writer.write({"type": "init", "params": _fingerprints(cfg, r.values(), r.keys)})
+    capture = RankCapture(trace_path, header(cfg, rank, device, r, time.perf_counter() - started),
+                          fingerprints=cfg.capture != "losses")
+    capture.initial(r.values())
     for step in range(t.train_iters):
         start = time.perf_counter()
+        capture.begin_step(step)
         for chunk in r.model:
             chunk.zero_grad_buffer()
         r.optimizer.zero_grad()
@@ -271,8 +269,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
                          num_microbatches=t.num_microbatches, seq_length=t.seq_length,
                          micro_batch_size=t.micro_batch_size, forward_only=False)
         main_grads = [gp.param.main_grad for gp in r.params]
-        record = {"type": "step", "step": step, "grads": _fingerprints(cfg, main_grads, r.keys), "grad_norm": None,
-                  "clip_coeff": None, "clipped": None}
+        capture.grads(main_grads)
         dumping = cfg.dump is not None and cfg.dump.step == step
         dump = dump_tensors(cfg.dump, zip(r.keys, main_grads), "grad") if dumping else {}
         ok, norm, _ = r.optimizer.step()
@@ -280,25 +277,28 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
             raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (inf/nan in the gradients)")
         r.scheduler.step(increment=1)
         if t.clip_grad > 0:
-            # clip_grads.clip_grad_by_total_norm_fp32's coefficient, in the same float64 arithmetic
-            coeff = t.clip_grad / (norm + 1.0e-6)
-            record.update(grad_norm=scalar(torch.tensor(norm, dtype=torch.float64)),
-                          clip_coeff=scalar(torch.tensor(coeff, dtype=torch.float64)), clipped=coeff < 1.0)
+            capture.set(**clip_record(norm, t.clip_grad))
         values = r.values()
-        record["params"] = _fingerprints(cfg, values, r.keys)
+        capture.params(values)
         if dumping:
             dump.update(dump_tensors(cfg.dump, zip(r.keys, values), "param"))
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
-        record["buffers"] = dict(zip(buffers, fingerprint_hex_many(list(buffers.values())))) if buffers else {}
+        capture.buffers(buffers)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            record["losses"], record["lm_loss"] = recorder.take(
-                m.mtp_num_layers, ps.get_data_parallel_group() if dp_size > 1 else None)
+            losses, lm_loss = recorder.take(m.mtp_num_layers, ps.get_data_parallel_group() if dp_size > 1 else None)
+            capture.set(losses=losses, lm_loss=lm_loss)
         if overlap:
-            record["overlap"] = counter.take()
-        record["time_s"] = time.perf_counter() - start
-        writer.write(record)
-    writer.write({"type": "end"})
-    writer.close()
+            capture.set(overlap=counter.take())
+        capture.end_step(time.perf_counter() - start)
+    capture.close()
+
+
+def clip_record(norm: float, clip_grad: float) -> dict:
+    """The step record's ``grad_norm``, ``clip_coeff`` and ``clipped`` from the grad norm megatron's optimizer
+    returned: clip_grads.clip_grad_by_total_norm_fp32's coefficient ``clip_grad / (norm + 1e-6)``, in the same
+    float64 arithmetic (applied when < 1)."""
+    coeff = clip_grad / (norm + 1.0e-6)
+    return {"grad_norm": float64_scalar(norm), "clip_coeff": float64_scalar(coeff), "clipped": coeff < 1.0}
 
 
 def _embedding_ranks():
@@ -307,12 +307,6 @@ def _embedding_ranks():
     from megatron.core import parallel_state as ps
     ranks = getattr(ps, "_EMBEDDING_GLOBAL_RANKS", None)
     return list(ranks) if ranks is not None else None
-
-
-def _fingerprints(cfg: RunConfig, tensors: list, keys: list) -> dict:
-    if cfg.capture == "losses":
-        return {}
-    return dict(zip(keys, fingerprint_hex_many(tensors)))
 
 
 def _master_params(optimizer) -> dict:

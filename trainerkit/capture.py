@@ -1,30 +1,37 @@
-"""Per-rank trace writer (append-only JSONL, flushed every record).
+"""The public capture API: what any training loop calls to write its rank's bitparity trace.
 
-Trace format ``bitparity-rank-trace/2`` (the contract between trainer and harness; see TRACE_FORMAT.md):
-one JSON object per line, each with ``"type"``:
+Format ``bitparity-rank-trace/2`` (TRACE_FORMAT.md is the contract; `harness` only reads it).  One file per
+rank, ``rank{r}.jsonl``, one JSON object per line:
 
-* ``header``: rank, world size (P x EP), pp rank, ep rank and EP size, the flat stages this rank holds, and
-  ``params``: a list of
-  {key, name, replica, shape, dtype, family, weight_decay, order} where ``key`` is the global name (plus
-  ``@replica``; with EP the non-expert parameters of ep rank r > 0 are replicas ``@ep{r}``) and ``order`` =
-  [section, layer id, index within layer] gives the canonical order;
-* ``init``: ``params``: {key: fingerprint} of the initial values;
-* ``step``: step index; ``grads`` / ``params`` / ``buffers``: {key: fingerprint} (grads after accumulation
-  and replica sync, before clipping; params after the optimizer step; buffers such as the expert bias after
-  their update); on the loss rank ``losses``: per microbatch {microbatch, lm, mtp: [..], num_tokens} where
-  each loss is {hex, value}, and ``lm_loss`` (reported); on every rank ``grad_norm`` and ``clip_coeff``
-  (null when clipping is off; fp32 in megatron mode, fp64 in canonical mode) and ``clipped`` (coeff < 1);
-  ``time_s``;
-* ``end``: written after the last step.
+* ``header``: who the rank is (rank, world size, pp / ep / dp ranks and sizes, the flat stages it holds) and its
+  ``params`` (`param_entry`: global name, replica tag, shape, dtype, family, weight-decay group, canonical order);
+* ``init``: fingerprints of the initial values;
+* ``step``: fingerprints of every gradient after gradient finalisation, every parameter after the optimizer step,
+  the buffers (router ``expert_bias``), the grad norm and clip coefficient, the loss rank's per-microbatch losses;
+* ``end``: written by `RankCapture.close` after the last step.
+
+`RankCapture` takes no collective of its own and never waits for the device in the training loop's thread:
+fingerprints of CUDA tensors are reductions launched on the current stream (`fingerprint_hex_many_async`;
+later in-place updates on that stream cannot race them), and a writer thread waits for their results, formats
+the record and appends it (flushed per record, so a crashed rank leaves a readable prefix up to the last record
+the thread wrote).  CPU tensors are fingerprinted in the caller's thread (numpy), before the loop can change them.
+
+Two trainers write through it: the megatron trainer (`megatron_trainer.train`) and megatron's own training loop
+(`megatron_trainer.pretrain_hooks`, Megatron-LM's ``pretrain_gpt.py`` unmodified); the reference trainer uses
+`TraceWriter` and `scalar` directly.
 """
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from pathlib import Path
+from typing import Iterable, Optional
 
 import torch
 
-from .fingerprint import float_bits_hex
+from . import names
+from .fingerprint import PendingHex, float_bits_hex, fingerprint_hex_many_async
 
 FORMAT = "bitparity-rank-trace/2"
 
@@ -32,6 +39,22 @@ FORMAT = "bitparity-rank-trace/2"
 def scalar(t: torch.Tensor) -> dict:
     """{hex, value} of a one-element float tensor: exact bits plus the decimal value."""
     return {"hex": float_bits_hex(t), "value": float(t.item())}
+
+
+def float64_scalar(x: float) -> dict:
+    """{hex, value} of a Python float as its float64 bits (megatron's grad norm and clip coefficient)."""
+    return scalar(torch.tensor(x, dtype=torch.float64))
+
+
+def param_entry(key: str, name: str, replica: Optional[str], tensor: torch.Tensor, weight_decay: bool,
+                strict: bool = True) -> dict:
+    """The header's description of one parameter: {key, name, replica, shape, dtype, family, weight_decay,
+    order} (TRACE_FORMAT.md).  `strict`: the name must be one of DeepSeek-V3's parameters as bitparity's trainers
+    build them (`trainerkit.names`, raises ValueError otherwise); not strict (a user's own model in megatron's
+    training loop), any name gets a family and a canonical place (`names.family`, `names.order_key`)."""
+    return {"key": key, "name": name, "replica": replica, "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).replace("torch.", ""), "family": names.family(name, strict=strict),
+            "weight_decay": weight_decay, "order": list(names.order_key(name, strict=strict))}
 
 
 class TraceWriter:
@@ -50,7 +73,150 @@ class TraceWriter:
         self._f.close()
 
 
-def dump_tensors(dump, items, prefix: str) -> dict:
+class CaptureError(RuntimeError):
+    """The capture's writer thread failed (disk full, unwritable directory): raised in the training loop's
+    thread at the next call, naming the trace file."""
+
+
+_STOP = object()
+
+
+class RankCapture:
+    """One rank's trace, written by a background thread.
+
+    Call order per rank (every call is local: no collective, no device synchronisation)::
+
+        cap = RankCapture(path, header)          # header: identity + "params" (param_entry), written first
+        cap.initial(values)                      # the parameters before the first update, aligned with `keys`
+        for each step:
+            cap.begin_step(step)
+            cap.grads(main_grads)                # after gradient finalisation, before the optimizer step
+            cap.params(values); cap.buffers({...})
+            cap.set(grad_norm=..., clip_coeff=..., clipped=..., losses=[...], lm_loss={...})
+            cap.end_step(time_s)                 # queued; fingerprints resolve in the writer thread
+        cap.close()                              # the end record; waits for the thread
+
+    `keys` (the header's params' keys, in order) name the tensors of `initial`, `grads` and `params`.
+    `fingerprints=False` (``RunConfig.capture == "losses"``): the step records carry no fingerprints.
+
+    Raises:
+        CaptureError: (from any call) the writer thread failed; OSError from the constructor when the file
+            cannot be opened.
+    """
+
+    def __init__(self, path: Path, header: dict, fingerprints: bool = True):
+        self.path = Path(path)
+        self.keys = [p["key"] for p in header.get("params", [])]
+        self._fingerprints = fingerprints
+        self._writer = TraceWriter(self.path)
+        self._queue: queue.Queue = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._record: Optional[dict] = None
+        self._pending: dict = {}
+        self._thread = threading.Thread(target=self._drain, name=f"bitparity-capture-{self.path.name}", daemon=True)
+        self._thread.start()
+        self._put({"type": "header", "format": FORMAT, **header}, {})
+
+    # --- the training loop's calls ---------------------------------------------------------------------------
+    def initial(self, values: list) -> None:
+        """Fingerprint the initial parameter values ([tensor] aligned with `keys`) into the ``init`` record."""
+        self._put({"type": "init"}, {"params": self._start(values)})
+
+    def begin_step(self, step: int) -> None:
+        """Open step `step` (0-based, the run's own count)."""
+        self._check()
+        self._record, self._pending = {"type": "step", "step": step, "grads": {}, "grad_norm": None,
+                                       "clip_coeff": None, "clipped": None, "params": {}, "buffers": {}}, {}
+
+    def grads(self, tensors: list) -> None:
+        """Fingerprint the gradients as the optimizer will see them ([tensor] aligned with `keys`; megatron's
+        fp32 ``main_grad``): call before the optimizer step, which may scale them in place (clipping)."""
+        self._step_record()
+        self._pending["grads"] = self._start(tensors)
+
+    def params(self, tensors: list) -> None:
+        """Fingerprint the parameters after the optimizer step ([tensor] aligned with `keys`; the fp32 master
+        where the optimizer keeps one)."""
+        self._step_record()
+        self._pending["params"] = self._start(tensors)
+
+    def buffers(self, named: dict) -> None:
+        """Fingerprint named buffers after their update ({global name: tensor}, e.g. the routers' expert_bias)."""
+        self._step_record()
+        self._pending["buffers"] = (list(named), fingerprint_hex_many_async(list(named.values()))) if named else {}
+
+    def set(self, **fields) -> None:
+        """Put plain fields into the open step record (``grad_norm``, ``clip_coeff`` as `scalar` dicts,
+        ``clipped``, ``losses``, ``lm_loss``, ``overlap``, ...; TRACE_FORMAT.md)."""
+        self._step_record().update(fields)
+
+    def end_step(self, time_s: float) -> None:
+        """Close the open step (`time_s`: the step's host seconds) and queue it for the writer thread."""
+        record = self._step_record()
+        record["time_s"] = time_s
+        self._put(record, self._pending)
+        self._record, self._pending = None, {}
+
+    def close(self) -> None:
+        """Write the ``end`` record and wait for every queued record to be on disk.
+
+        Raises:
+            CaptureError: the writer thread failed."""
+        if self._thread.is_alive():
+            self._put({"type": "end"}, {})
+            self._queue.put(_STOP)
+            self._thread.join()
+        self._writer.close()
+        self._check()
+
+    # --- internals ---------------------------------------------------------------------------------------------
+    def _start(self, tensors: list):
+        if not self._fingerprints:
+            return {}
+        if len(tensors) != len(self.keys):
+            raise ValueError(f"{len(tensors)} tensors for the header's {len(self.keys)} parameters")
+        return self.keys, fingerprint_hex_many_async(list(tensors))
+
+    def _step_record(self) -> dict:
+        self._check()
+        if self._record is None:
+            raise RuntimeError("RankCapture: no open step (call begin_step first)")
+        return self._record
+
+    def _put(self, record: dict, pending: dict) -> None:
+        self._check()
+        self._queue.put((record, pending))
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise CaptureError(f"{self.path}: the capture's writer failed: {self._error}") from self._error
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if self._error is not None:
+                continue                  # keep draining so the loop never blocks on a full queue
+            record, pending = item
+            try:
+                for part, started in pending.items():
+                    record[part] = _resolved(started)
+                self._writer.write(record)
+            except BaseException as e:    # reported in the training loop's thread (CaptureError)
+                self._error = e
+
+
+def _resolved(started) -> dict:
+    """{key: hex} from `_start`'s (keys, PendingHex), waiting for device fingerprints; {} as is."""
+    if not started:
+        return {}
+    keys, pending = started
+    assert isinstance(pending, PendingHex)
+    return dict(zip(keys, pending.hex()))
+
+
+def dump_tensors(dump, items: Iterable, prefix: str) -> dict:
     """{prefix/key: CPU copy} of the (key, tensor) `items` that `dump` (a ``RunConfig.dump``: ``wants(key)``,
     ``max_bytes``) asks for, in order, until ``max_bytes`` would be exceeded: one rank's share of
     ``rank{r}.dump.safetensors`` (``grad/<key>``, ``param/<key>``; TRACE_FORMAT.md)."""

@@ -20,12 +20,27 @@ _SECTION = (("embedding.", 0), ("decoder.layers.", 1), ("decoder.final_layernorm
 _LAYER_ID = re.compile(r"^(?:decoder|mtp)\.layers\.(\d+)\.")
 
 
-def family(name: str) -> str:
-    """Family of a global parameter/buffer name, used to group mismatch counts.
+#: The family of a name `family` does not know, when not strict (a user's own model in megatron's training loop).
+OTHER = "other"
+
+
+def family(name: str, strict: bool = True) -> str:
+    """Family of a global parameter/buffer name, used to group mismatch counts.  Not `strict`: a name of no
+    known family is `OTHER` (megatron's fused or TE names, e.g. ``linear_qkv.layer_norm_weight``, fall in the
+    family of their module).
 
     Raises:
-        ValueError: the name is not a known parameter of the reference model.
+        ValueError: strict, and the name is not a known parameter of the reference model.
     """
+    try:
+        return _family(name)
+    except ValueError:
+        if strict:
+            raise
+        return OTHER
+
+
+def _family(name: str) -> str:
     if name.startswith(("embedding.", "output_layer.")):
         return "embedding/head"
     if name.startswith("mtp."):
@@ -111,18 +126,40 @@ def _leaf_index(leaf: str, name: str) -> int:
     raise ValueError(f"unknown parameter name {name!r}")
 
 
-def order_key(name: str) -> tuple[int, int, int]:
+#: Not strict: where names `order_key` does not know go within their section and layer (after every known one).
+_UNKNOWN = 1 << 40
+
+
+def order_key(name: str, strict: bool = True) -> tuple:
     """Canonical order key ``(section, layer id, index within layer)`` of a global parameter name: section 0
     embedding, 1 decoder layers by global id, 2 final norm, 3 MTP depths, 4 output head; within a layer the
     reference model's registration order (routed experts by id, fc1 before fc2).  A function of the name
-    alone, so every trainer and every layout orders parameters alike.
+    alone, so every trainer and every layout orders parameters alike.  Not `strict`, a name it does not know
+    (another model's, e.g. ``linear_qkv.weight``, biases, position embeddings) gets
+    ``(section, layer id, 2**40, name)``: after the known names of its layer (a name outside every section after
+    all sections, section 5), by name, still a function of the name alone.
 
     Raises:
-        ValueError: not a known parameter name.
+        ValueError: strict, and not a known parameter name.
     """
+    try:
+        return _order_key(name)
+    except ValueError:
+        if strict:
+            raise
+        try:
+            section, layer = section_and_layer(name)
+        except ValueError:
+            section, layer = len(_SECTION), 0
+        return section, layer, _UNKNOWN, name
+
+
+def _order_key(name: str) -> tuple[int, int, int]:
     section, layer = section_and_layer(name)
     m = _WITHIN.match(name)
     if m is None:
+        if name not in (EMBEDDING, FINAL_NORM, OUTPUT):
+            raise ValueError(f"unknown parameter name {name!r}")
         return section, layer, 0
     leaf = m.group(1)
     if section == 1:
