@@ -1,4 +1,4 @@
-"""Command line: ``bitparity verify | layout explain | schedule explain`` (also ``python -m harness``).
+"""Command line: ``bitparity verify | compare | fuzz | layout explain | schedule explain`` (also ``python -m harness``).
 
 Exit codes: 0 every expectation holds; 1 at least one does not (fail or error verdict);
 2 bad input or a harness error — one line on stderr, no traceback, nothing written.  An OSError becomes a line
@@ -54,6 +54,18 @@ def _parser() -> argparse.ArgumentParser:
                    "Megatron-LM checkout, or 'installed'; default: the one this Python imports)")
     v.add_argument("--train-iters", type=int, metavar="N", help="override the case's training.train_iters "
                    "(e.g. 8 for the long profile, make verify-long)")
+    cp = sub.add_parser("compare", help="compare two trace directories made anywhere (rank{r}.jsonl: bitparity's "
+                        "trainers, megatron's pretrain_gpt.py under python -m megatron_trainer.pretrain)")
+    cp.add_argument("a", metavar="DIR_A", help="the reference run's traces")
+    cp.add_argument("b", metavar="DIR_B", help="the run compared with it")
+    cp.add_argument("--out", default="reports", help="report root (default: reports/); the report goes to "
+                    "OUT/<name>/")
+    cp.add_argument("--name", help="the report's name (default: compare-<A's dir name>-<B's>)")
+    cp.add_argument("--expect", choices=("bitwise", "may_diverge", "diverge", "not_finite"), default="bitwise",
+                    help="what B is expected to do against A (default: bitwise)")
+    cp.add_argument("--first-divergence", action="append", metavar="K=V,...",
+                    help="where B may / must first differ, as a case states it: e.g. 'step=0,kind=grad,"
+                    "name=mtp.layers.0.eh_proj.weight' (keys: step, kind, name, microbatch, max_ulp; repeatable)")
     fz = sub.add_parser("fuzz", help="random valid layouts of a case's model against its baseline; shrinks a failure")
     fz.add_argument("case")
     fz.add_argument("--budget", default="10m", help="time budget, e.g. 90s, 10m (default 10m)")
@@ -186,6 +198,45 @@ def _verify(args, argv) -> int:
     return 0 if result.all_pass else 1
 
 
+def _places(texts: list | None) -> list | None:
+    """--first-divergence 'k=v,k=v' -> [ExpectedDivergence]; a bad one is a UsageError naming it."""
+    if not texts:
+        return None
+    from pydantic import ValidationError
+    from .case_schema import ExpectedDivergence
+    out = []
+    for text in texts:
+        fields = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq:
+                raise UsageError(f"--first-divergence {text!r}: {part!r} is not key=value")
+            value = value.strip()
+            fields[key.strip()] = int(value) if value.isdigit() else value
+        try:
+            out.append(ExpectedDivergence.model_validate(fields))
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"]) or "value"
+            raise UsageError(f"--first-divergence {text!r}: {where}: {err['msg']}") from None
+    return out
+
+
+def _compare(args, argv) -> int:
+    from . import compare_dirs
+    if args.expect in ("may_diverge",) and not args.first_divergence:
+        raise UsageError("--expect may_diverge needs --first-divergence (where B may differ)")
+    places = _places(args.first_divergence)
+    if args.name is not None and not args.name.strip("._-"):
+        raise UsageError(f"--name {args.name!r}: not a usable report name")
+    with _out_errors(args.out):
+        result = compare_dirs.run(Path(args.a), Path(args.b), Path(args.out), "bitparity " + shlex.join(argv),
+                                  expect=args.expect, first_divergence=places, name=args.name)
+    v = result.variants[-1]
+    print(f"{result.case}: {v.verdict} ({v.outcome}); report: {Path(args.out) / result.case / 'index.html'}")
+    return 0 if result.all_pass else 1
+
+
 def _fuzz(args, argv) -> int:
     from .cases import load_case
     from .fuzz import fuzz, parse_budget
@@ -252,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     interrupt.install()
     try:
         args = _parser().parse_args(argv)
+        if args.command == "compare":
+            return _compare(args, argv)
         if args.command in ("verify", "fuzz"):
             code = _verify(args, argv) if args.command == "verify" else _fuzz(args, argv)
             interrupt.check()               # one Python swallowed on the way (harness.interrupt)

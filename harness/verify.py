@@ -77,7 +77,9 @@ def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optio
             "error": outcome.error}
 
 
-def _series(trace: Optional[Trace], cmp: Optional[Comparison]) -> StepSeries:
+def series(trace: Optional[Trace], cmp: Optional[Comparison]) -> StepSeries:
+    """A run's per-step scalars for the report (`StepSeries`), with the grad norm's ULP distance from `cmp`'s
+    reference run."""
     s = StepSeries()
     s.grad_norm_ulp = list(cmp.grad_norm_ulps) if cmp else []
     for st in trace.steps if trace else []:
@@ -135,7 +137,7 @@ def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
     if run.is_baseline:
         return ("fail", "unexpected difference", f"reference run: {replica_why}") if broken else \
             ("pass", "reference", "reference run: completed (compared with itself)")
-    if run.spec.expect == "not_finite":     # judged by where it stopped being finite (`_judge_nonfinite`)
+    if run.spec.expect == "not_finite":     # judged by where it stopped being finite (`judge_nonfinite`)
         return "pass", "not finite as expected", ""
     fd, exp = cmp.first_divergence, run.spec
     where = f"first divergence: step {fd.step} {fd.kind} {fd.name}" if fd else ""
@@ -176,7 +178,7 @@ def _bugs_elsewhere(run: PlannedRun) -> list[str]:
         declared, trainers.megatron_version(run.config.megatron_path)))
 
 
-def _judge_nonfinite(spec, nonfinite, verdict: str, happened: str, reason: str,
+def judge_nonfinite(spec, nonfinite, verdict: str, happened: str, reason: str,
                      planted: bool = False) -> tuple[str, str, str]:
     """(verdict, outcome, reason) once the run's first NaN / inf (`harness.trace.first_nonfinite`, or None) is
     known.  NaN bits compare equal to themselves, so a broken run must not pass as "equal": it fails, except a
@@ -340,7 +342,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         if alike and nonfinite:
             reason += f" (not finite on both: {nonfinite})"
         elif verdict != "error":
-            verdict, happened, reason = _judge_nonfinite(run.spec, nonfinite, verdict, happened, reason,
+            verdict, happened, reason = judge_nonfinite(run.spec, nonfinite, verdict, happened, reason,
                                                          planted=run.config.inject is not None)
         coverage = overlap_coverage(trace, run.config.parallel.overlap_moe_expert_parallel_comm) \
             if trace is not None and run.config.trainer == "megatron-core" else {}
@@ -368,7 +370,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
             expect=run.spec.expect, verdict=verdict, outcome=happened, bitwise_equal=cmp.bitwise_equal if cmp else None,
             first_divergence=cmp.first_divergence if cmp else None, reason=reason, error=error,
-            layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=_series(trace, cmp),
+            layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=series(trace, cmp),
             family_mismatches=cmp.family_mismatches if cmp else {}, elapsed_s=outcome.elapsed_s,
             run_dir=str(dirs[name]), compare_to=ref_name,
             command=reproduce[name],

@@ -178,7 +178,7 @@ def _global_name(local: str, layers: dict[str, int], experts_per_rank: int, ep_r
 
 
 def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int, dp_rank: int = 0,
-                      expert_dp_rank: int = 0) -> list[GlobalParam]:
+                      expert_dp_rank: int = 0, strict: bool = True) -> list[GlobalParam]:
     """Every parameter of `chunks` (this rank's) under its global name (`trainerkit.names`).
 
     Megatron names a chunk's decoder layers by local index; the global layer id is the module's
@@ -188,8 +188,11 @@ def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int, dp_rank
     Data parallelism: on DP rank d > 0 every dense parameter is a replica ``@dp{d}``; on expert-data-parallel
     rank k > 0 (DP > EP) every routed expert is a replica ``@edp{k}`` (`trainerkit.names.ep_replica`).
 
+    `strict`: every name must be one of DeepSeek-V3's as bitparity builds the model (`trainerkit.names`); not
+    strict (a user's own model in megatron's training loop), other names pass as they are.
+
     Raises:
-        ValueError: a parameter whose name the mapping does not know (megatron-core changed its naming).
+        ValueError: strict, and a parameter whose name the mapping does not know (megatron-core changed its naming).
     """
     out = []
     for c, model in enumerate(chunks):
@@ -197,7 +200,7 @@ def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int, dp_rank
         for local, p in model.named_parameters():
             name = _global_name(local, layers, experts_per_rank, ep_rank)
             replica = "mtp" if name == names.EMBEDDING and not model.pre_process else None
-            names.family(name)              # raises ValueError for a name the harness cannot place
+            names.family(name, strict=strict)     # strict: raises ValueError for a name the harness cannot place
             replica = (names.ep_replica(replica, expert_dp_rank, "edp") if names.expert_id(name) is not None
                        else names.ep_replica(replica, dp_rank, "dp"))
             out.append(GlobalParam(name, replica, p, c))

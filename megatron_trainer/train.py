@@ -28,7 +28,7 @@ from trainerkit.config import RunConfig
 from trainerkit.data import TokenDataset
 from trainerkit.init import init_parameters
 from trainerkit import names
-from trainerkit.capture import RankCapture, dump_tensors, float64_scalar, param_entry, scalar
+from trainerkit.capture import RankCapture, dump_tensors, float64_scalar, microbatch_losses, param_entry, scalar
 
 from . import compat, faults, options
 from .coverage import OverlapCounter
@@ -60,11 +60,7 @@ class LossRecorder:
         recorder.  With `dp_group`, every rank of it must call this (a collective)."""
         dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
-        out = []
-        for m, (s, n) in enumerate(self.lm):
-            mtp = self.mtp[m * mtp_num_layers:(m + 1) * mtp_num_layers]
-            out.append({"microbatch": m * dp_size + dp_rank, "lm": scalar(s / n.clamp(min=1)),
-                        "num_tokens": int(n.item()), "mtp": [scalar(x) for x in mtp]})
+        out = microbatch_losses(self.lm, self.mtp, mtp_num_layers, dp_size, dp_rank)
         pairs = [(s.view(1), n.view(1).to(s.dtype)) for s, n in self.lm]
         if pairs and dp_size > 1:
             mine = torch.cat([torch.cat(p) for p in pairs])          # [2 M]: s_0, n_0, s_1, n_1, ...
@@ -198,8 +194,8 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     scheduler = options.scheduler(optimizer, cfg)
     config.finalize_model_grads_func = faults.finalize(cfg.inject, finalize_model_grads)
     config.grad_scale_func = optimizer.scale_loss
-    masters = _master_params(optimizer)
-    decay = _weight_decay_groups(optimizer)          # keyed by what the optimizer updates: the master in bf16
+    masters = master_params(optimizer)
+    decay = weight_decay_groups(optimizer)          # keyed by what the optimizer updates: the master in bf16
     return MegatronRank(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
                         params=params, keys=[names.replica_key(gp.name, gp.replica) for gp in params],
                         masters=masters,
@@ -309,7 +305,7 @@ def _embedding_ranks():
     return list(ranks) if ranks is not None else None
 
 
-def _master_params(optimizer) -> dict:
+def master_params(optimizer) -> dict:
     """{id(model param): fp32 master copy} of megatron's mixed-precision optimizer (bf16 runs); empty for fp32,
     where the optimizer updates the model parameters themselves."""
     out = {}
@@ -320,7 +316,7 @@ def _master_params(optimizer) -> dict:
     return out
 
 
-def _weight_decay_groups(optimizer) -> dict:
+def weight_decay_groups(optimizer) -> dict:
     """{id(param): whether megatron's optimizer decays it}: the weight decay its parameter group actually applies
     (set by the OptimizerParamScheduler from the group's wd_mult)."""
     return {id(p): group["weight_decay"] > 0 for group in optimizer.param_groups for p in group["params"]}

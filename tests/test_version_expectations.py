@@ -14,7 +14,7 @@ from harness.case_schema import VariantSpec
 from harness.crossimpl import CrossImplementationSpec, expected, judge as judge_cross
 from harness.expectations import entry_for, resolve
 from harness.trace import NonFinite
-from harness.verify import _judge_nonfinite
+from harness.verify import judge_nonfinite
 from trainerkit.layout import LayoutError, PipelineLayout
 
 SPEC = VariantSpec.model_validate({
@@ -49,14 +49,14 @@ def test_the_first_matching_entry_holds_for_the_runs_megatron(version, expect):
 def test_not_finite_is_judged_by_where_training_stopped_being_finite():
     spec = resolve(_Run(SPEC), "0.16.1").spec
     at = NonFinite(1, 3, "mtp_1", math.nan)
-    assert _judge_nonfinite(spec, at, "pass", "", "")[:2] == ("pass", "not finite as expected")
-    assert _judge_nonfinite(spec, None, "pass", "", "")[:2] == ("fail", "unexpectedly finite")
-    verdict, outcome, why = _judge_nonfinite(spec, NonFinite(1, 3, "lm", math.nan), "pass", "", "")
+    assert judge_nonfinite(spec, at, "pass", "", "")[:2] == ("pass", "not finite as expected")
+    assert judge_nonfinite(spec, None, "pass", "", "")[:2] == ("fail", "unexpectedly finite")
+    verdict, outcome, why = judge_nonfinite(spec, NonFinite(1, 3, "lm", math.nan), "pass", "", "")
     assert (verdict, outcome) == ("fail", "unexpected difference") and "name 'lm' (expected 'mtp_1')" in why
     # a diverge run fails when not finite, unless it carries a planted fault (broken on purpose)
     diverge = resolve(_Run(SPEC), "0.19.2").spec
-    assert _judge_nonfinite(diverge, at, "pass", "differs as expected", "r")[:2] == ("fail", "not finite")
-    assert _judge_nonfinite(diverge, at, "pass", "differs as expected", "r", planted=True) == \
+    assert judge_nonfinite(diverge, at, "pass", "differs as expected", "r")[:2] == ("fail", "not finite")
+    assert judge_nonfinite(diverge, at, "pass", "differs as expected", "r", planted=True) == \
         ("pass", "differs as expected", "r; training not finite: step 1 microbatch 3: mtp_1 loss is nan")
 
 

@@ -57,6 +57,15 @@ def param_entry(key: str, name: str, replica: Optional[str], tensor: torch.Tenso
             "weight_decay": weight_decay, "order": list(names.order_key(name, strict=strict))}
 
 
+def microbatch_losses(lm: list, mtp: list, mtp_num_layers: int, dp_size: int = 1, dp_rank: int = 0) -> list:
+    """The step record's ``losses`` (TRACE_FORMAT.md) of one loss rank: per local microbatch m, from `lm` [(sum(CE
+    * mask), num_tokens)] (fp32, int tensors) and `mtp` [depth losses, m-major], ``{microbatch: m * dp_size +
+    dp_rank (global), lm: sum / max(num_tokens, 1), num_tokens, mtp: [...]}``."""
+    return [{"microbatch": m * dp_size + dp_rank, "lm": scalar(s / n.clamp(min=1)), "num_tokens": int(n.item()),
+             "mtp": [scalar(x) for x in mtp[m * mtp_num_layers:(m + 1) * mtp_num_layers]]}
+            for m, (s, n) in enumerate(lm)]
+
+
 class TraceWriter:
     """Append-only JSONL writer; every record is flushed so a crashed rank leaves a readable prefix."""
 

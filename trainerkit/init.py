@@ -26,7 +26,7 @@ def name_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_parameters(module, cfg: ModelConfig, seed: int) -> None:
-    """Initialise parameters in place by global name; norms are set to ones.
+    """Initialise parameters in place by global name; norms are set to ones, biases to zeros.
 
     `module`: an ``nn.Module`` whose ``named_parameters()`` are global names, or an iterable of
     (global name, parameter) pairs (replicas pass their logical name, so they start identical).
@@ -34,6 +34,9 @@ def init_parameters(module, cfg: ModelConfig, seed: int) -> None:
     scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
     named = module.named_parameters() if isinstance(module, nn.Module) else module
     for name, param in named:
+        if name.endswith("bias"):         # a user's model in megatron's own loop (bitparity's models have none)
+            param.zero_()
+            continue
         if param.ndim < 2:
             param.fill_(1.0)
             continue

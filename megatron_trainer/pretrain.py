@@ -1,0 +1,91 @@
+"""Megatron-LM's own training script, unmodified, with the bitparity capture installed from outside.
+
+    torchrun --nproc_per_node N -m megatron_trainer.pretrain --bitparity-out DIR \\
+        /path/to/Megatron-LM/pretrain_gpt.py <the script's own arguments>
+
+Every rank writes ``DIR/rank{r}.jsonl`` (TRACE_FORMAT.md; `pretrain_hooks`); compare two such directories with
+``bitparity compare DIR_A DIR_B``.  The script runs as ``__main__`` with its own directory first on sys.path (as
+``python pretrain_gpt.py`` would), after:
+
+* on a machine without CUDA: `compat`'s CPU points and `compat_training`'s (megatron's training loop over gloo:
+  pass ``--distributed-backend gloo``), torch.compile off (megatron's fused helpers; 7-20 s per rank, same bits);
+* on CUDA: `compat`'s local-spec points (megatron's local layers without Transformer Engine), nothing else;
+* the capture (`pretrain_hooks.install`).
+
+Bad invocation (no script, a script that is not a file, an output directory that cannot be made): one line on
+stderr, exit 2.  A run the capture cannot trace (`pretrain_hooks.CaptureRefused`): one line, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise SystemExit(_fail(f"{self.prog}: {message}"))
+
+
+def _fail(line: str) -> int:
+    print(line, file=sys.stderr)
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m megatron_trainer.pretrain",
+                description="run a Megatron-LM training script with the bitparity capture")
+    p.add_argument("--bitparity-out", required=True, metavar="DIR",
+                   help="where every rank writes rank{r}.jsonl (made if missing)")
+    p.add_argument("--bitparity-init", type=int, metavar="SEED",
+                   help="re-initialise every parameter by its global name before the first step (megatron seeds "
+                        "by pipeline rank, so two layouts start from other weights without it)")
+    p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, as you would pass them")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse bitparity's options, prepare the rank, run the script; returns the exit code."""
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    script = Path(args.script)
+    if not script.is_file():
+        return _fail(f"python -m megatron_trainer.pretrain: {args.script}: no such training script")
+    out = Path(args.bitparity_out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _fail(f"--bitparity-out {args.bitparity_out}: {e.strerror or e}")
+    if not os.access(out, os.W_OK):
+        return _fail(f"--bitparity-out {args.bitparity_out}: not writable")
+
+    import torch
+    from . import compat, compat_training, pretrain_hooks
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        import torch._dynamo.config
+        torch._dynamo.config.disable = True
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    sys.path.insert(0, str(script.resolve().parent))
+    points = compat.apply("cuda" if cuda else "cpu")
+    points += compat_training.apply("cuda" if cuda else "cpu")
+    print(f"bitparity capture: {'cuda' if cuda else 'cpu'}, compat points {','.join(points)}; traces to {out}",
+          file=sys.stderr)
+    pretrain_hooks.install(out, [str(script), *args.args], args.bitparity_init)
+    sys.argv = [str(script), *args.args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except pretrain_hooks.CaptureRefused as e:
+        return _fail(str(e))
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    pretrain_hooks.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
