@@ -30,7 +30,8 @@ import torch
 VERSION = "4"                        # of this layer; recorded in every manifest beside megatron-core's version
 SUPPORTED = ("0.16.", "0.19.")       # megatron-core releases the points were checked against
 #: Megatron-LM checkouts the points were checked against (commit -> what it is): main moves daily.
-CHECKED_COMMITS = {"d98e8a64ddf34856e74b24714e3bedb2f5a39553": "Megatron-LM main of 2026-08-22 (0.20.0)"}
+CHECKED_COMMITS = {"d98e8a64ddf34856e74b24714e3bedb2f5a39553": "Megatron-LM main of 2026-08-22 (0.20.0)",
+                   "f8837c04ef6cbef6cdefb8de001aad63178aebbf": "Megatron-LM core_r0.19.0 (0.19.1)"}
 
 
 UNCHECKED_ENV = "BITPARITY_MEGATRON_UNCHECKED"

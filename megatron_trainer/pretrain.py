@@ -8,7 +8,8 @@ Every rank writes ``DIR/rank{r}.jsonl`` (TRACE_FORMAT.md; `pretrain_hooks`); com
 ``python pretrain_gpt.py`` would), after:
 
 * on a machine without CUDA: `compat`'s CPU points and `compat_training`'s (megatron's training loop over gloo:
-  pass ``--distributed-backend gloo``), torch.compile off (megatron's fused helpers; 7-20 s per rank, same bits);
+  ``--distributed-backend gloo`` is added when the arguments name no backend), torch.compile off (megatron's fused
+  helpers; 7-20 s per rank, same bits);
 * on CUDA: `compat`'s local-spec points (megatron's local layers without Transformer Engine), nothing else;
 * the capture (`pretrain_hooks.install`).
 
@@ -61,8 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     if not os.access(out, os.W_OK):
         return _fail(f"--bitparity-out {args.bitparity_out}: not writable")
 
+    from . import pretrain_hooks
+    refused = pretrain_hooks.refusal(args.args)
+    if refused:
+        return _fail(refused)
+
     import torch
-    from . import compat, compat_training, pretrain_hooks
+    from . import compat, compat_training
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -74,8 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     points += compat_training.apply("cuda" if cuda else "cpu")
     print(f"bitparity capture: {'cuda' if cuda else 'cpu'}, compat points {','.join(points)}; traces to {out}",
           file=sys.stderr)
-    pretrain_hooks.install(out, [str(script), *args.args], args.bitparity_init)
-    sys.argv = [str(script), *args.args]
+    script_args = list(args.args)
+    if not cuda and not any(a == "--distributed-backend" or a.startswith("--distributed-backend=")
+                            for a in script_args):
+        script_args += ["--distributed-backend", "gloo"]     # megatron's default, nccl, needs CUDA
+    pretrain_hooks.install(out, [str(script), *script_args], args.bitparity_init)
+    sys.argv = [str(script), *script_args]
     try:
         runpy.run_path(str(script), run_name="__main__")
     except pretrain_hooks.CaptureRefused as e:

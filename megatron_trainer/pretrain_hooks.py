@@ -51,6 +51,23 @@ _SHARDED = (("tensor_model_parallel_size", "--tensor-model-parallel-size", "a ra
                                                                            "and of the optimizer's parameters"))
 
 
+def refusal(argv: list) -> Optional[str]:
+    """Why the capture cannot trace a run with the training arguments `argv` (megatron's flags, as typed), before
+    megatron starts (megatron's parser takes no abbreviations); None when it can.  The first step checks the parsed
+    arguments again (`CaptureRefused`), for values that arrive another way (a YAML config)."""
+    for attr, flag, why in _SHARDED:
+        for i, word in enumerate(argv):
+            name, eq, value = word.partition("=")
+            if name != flag:
+                continue
+            if attr == "use_distributed_optimizer":
+                return f"bitparity capture: {flag} is not supported: {why}"
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value.strip() not in ("1", ""):
+                return f"bitparity capture: {flag} {value} is not supported: {why}"
+    return None
+
+
 class _Recorder:
     """The step's per-microbatch losses as the user's loss function returned them; `mtp` filled by the MTP hook."""
 

@@ -1,0 +1,121 @@
+"""Megatron-LM's own training loop, unmodified, with the bitparity capture installed from outside
+(``python -m megatron_trainer.pretrain``), on CPU over gloo: two layouts bitwise equal with clipping off (Megatron-LM
+PR #2136's check (2)), and a planted change in megatron (the MTP loss scale, a real source edit in a copy of the
+installed megatron) caught by ``bitparity compare`` at step 0's first gradient, the losses still equal.
+
+The training script is bitparity's stand-in for ``pretrain_gpt.py`` on the installed wheel (megatron-core >= 0.17
+ships ``megatron.training``; 0.16.1's pretrain takes another signature, skipped there); with
+``BITPARITY_MEGATRON_LM=<checkout>`` the checkout's own ``pretrain_gpt.py`` runs too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from planted import planted_megatron
+
+megatron_core = pytest.importorskip("megatron.core")
+from packaging.version import Version  # noqa: E402
+
+pytestmark = [pytest.mark.megatron,
+              pytest.mark.skipif(Version(megatron_core.__version__) < Version("0.17"),
+                                 reason="megatron-core < 0.17: the wheel has no pretrain(config container) loop")]
+
+STANDIN = ROOT / "megatron_trainer" / "standin" / "pretrain_gpt.py"
+ARGS_FILE = ROOT / "cases" / "pretrain" / "tiny-moe-mtp.args"
+LAYOUTS = {"a": "Et|tmL", "b": "Ett|mL"}        # MTP with the loss / MTP in its own stage (PR #2136)
+
+
+def tiny_args() -> list[str]:
+    return [w for line in ARGS_FILE.read_text().splitlines() if not line.lstrip().startswith("#")
+            for w in line.split()]
+
+
+def pretrain(out: Path, layout: str, script: Path = STANDIN, env: dict | None = None, nproc: int = 2,
+             extra: tuple = (), bitparity: tuple = ("--bitparity-init", "7")) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "megatron_trainer.pretrain", "--bitparity-out", str(out), *bitparity, str(script), *tiny_args(),
+           "--pipeline-model-parallel-size", str(nproc), "--pipeline-model-parallel-layout", layout, *extra]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def compare(tmp_path: Path, a: Path, b: Path, *args) -> tuple[subprocess.CompletedProcess, dict]:
+    r = subprocess.run([sys.executable, "-m", "harness", "compare", str(a), str(b), "--out", str(tmp_path / "rep"),
+                        "--name", b.name, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    summary = tmp_path / "rep" / b.name / "summary.json"
+    return r, (json.loads(summary.read_text()) if summary.is_file() else {})
+
+
+def test_two_layouts_bitwise_and_a_planted_mtp_loss_scale_caught(tmp_path):
+    a, b, planted = tmp_path / "layout-a", tmp_path / "layout-b", tmp_path / "planted"
+    for out, layout in ((a, LAYOUTS["a"]), (b, LAYOUTS["b"])):
+        r = pretrain(out, layout)
+        assert r.returncode == 0, r.stderr[-3000:]
+    header = json.loads((a / "rank1.jsonl").read_text().splitlines()[0])
+    assert header["settings"]["training_loop"] == "megatron.training.pretrain"
+    assert header["settings"]["pipeline_model_parallel_layout"] is not None
+    assert any(p["name"].startswith("mtp.layers.0.") for p in header["params"])
+    r, summary = compare(tmp_path, a, b)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert summary["variants"][1]["outcome"] == "equal"
+
+    # the MTP loss scale doubled in a copy of the installed megatron, imported first by the planted run
+    tree = planted_megatron(tmp_path / "megatron-planted", {"megatron/core/transformer/multi_token_prediction.py": [
+        ("mtp_loss_scale = config.mtp_loss_scaling_factor / config.mtp_num_layers",
+         "mtp_loss_scale = 2 * config.mtp_loss_scaling_factor / config.mtp_num_layers")]})
+    r = pretrain(planted, LAYOUTS["b"], env={"PYTHONPATH": f"{tree}{os.pathsep}{ROOT}",
+                                             "BITPARITY_MEGATRON_UNCHECKED": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert str(tree) in (planted / "rank0.jsonl").read_text().splitlines()[0]    # the planted megatron ran
+    r, summary = compare(tmp_path, a, planted)
+    assert r.returncode == 1, r.stdout + r.stderr
+    v = summary["variants"][1]
+    fd = v["first_divergence"]
+    # the forward is untouched (losses equal); the MTP loss enters the backward through the shared output layer
+    assert (fd["step"], fd["kind"], fd["name"]) == (0, "grad", "output_layer.weight"), fd
+    ga, gp = (json.loads((tmp_path / "rep" / planted.name / "runs" / n / "trace.json").read_text())["steps"][0]
+              for n in (a.name, planted.name))
+    assert ga["losses"] == gp["losses"]
+    assert any(ga["grads"][k] != gp["grads"][k] for k in ga["grads"] if k.startswith("mtp.layers.0."))
+    # stated as the expected divergence (step 0's gradients: the whole backward of the MTP loss) it passes; the
+    # output layer's gradient alone is not all that moved (the signature check names what else did)
+    r, _ = compare(tmp_path, a, planted, "--expect", "diverge", "--first-divergence", "step=0,kind=grad")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r, _ = compare(tmp_path, a, planted, "--expect", "diverge", "--first-divergence",
+                   "step=0,kind=grad,name=output_layer.weight")
+    assert r.returncode == 1 and "differs outside its signature" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("BITPARITY_MEGATRON_LM"), reason="BITPARITY_MEGATRON_LM names no checkout")
+def test_the_checkouts_own_pretrain_gpt_matches_the_stand_in(tmp_path):
+    script = Path(os.environ["BITPARITY_MEGATRON_LM"]) / "pretrain_gpt.py"
+    r = pretrain(tmp_path / "checkout", LAYOUTS["b"], script=script)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = pretrain(tmp_path / "standin", LAYOUTS["b"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r, summary = compare(tmp_path, tmp_path / "checkout", tmp_path / "standin")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_refusals_are_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", "--bitparity-out", str(tmp_path / "o"),
+                        str(tmp_path / "nope.py")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().endswith("nope.py: no such training script"), r.stderr
+    r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", str(STANDIN)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--bitparity-out" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    # a rank that holds shards (distributed optimizer, TP, CP): refused before megatron starts, one line, exit 2
+    for flags, words in ((["--use-distributed-optimizer"], "--use-distributed-optimizer is not supported"),
+                         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 is not supported"),
+                         (["--context-parallel-size=4"], "--context-parallel-size 4 is not supported")):
+        r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", "--bitparity-out",
+                            str(tmp_path / "o"), str(STANDIN), *tiny_args(), *flags], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, r.stderr
