@@ -43,7 +43,15 @@ GOLDEN_ITERS ?= 8
 # The long profile: the dsv3 layouts for LONG_ITERS steps (bugs that show only after a few updates)
 LONG_ITERS  ?= 8
 
-.PHONY: verify verify-megatron verify-overlap verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean
+# Megatron-LM's own training loop with the bitparity capture (README "Capture inside your own training job"): the
+# tiny model of cases/pretrain/tiny-moe-mtp.args trained twice, MTP with the loss (Et|tmL) and MTP in its own stage
+# (Ett|mL), 2 ranks over gloo, then `bitparity compare`.  MEGATRON_LM=<checkout>: the checkout's pretrain_gpt.py
+# (its megatron/ first on the path); else bitparity's stand-in on the installed megatron-core (>= 0.17: PY=3.12).
+MEGATRON_LM ?=
+PRETRAIN_SCRIPT = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_gpt.py,megatron_trainer/standin/pretrain_gpt.py)
+CAPTURE_DIR ?= reports/capture
+
+.PHONY: verify verify-megatron verify-overlap verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -75,6 +83,17 @@ verify-upstream-bugs: $(STAMP)
 	$(BIN)/bitparity verify cases/megatron-upstream-bugs.yaml $(ARGS)
 
 # every run of GOLDEN_CASES bitwise equal to its golden (CI)
+capture-demo: $(STAMP)
+	@set -e; mkdir -p $(CAPTURE_DIR); args="$$(grep -v '^ *#' cases/pretrain/tiny-moe-mtp.args)"; \
+	for run in "layout-a Et|tmL" "layout-b Ett|mL"; do set -- $$run; \
+	  echo "== $(PRETRAIN_SCRIPT), layout $$2 -> $(CAPTURE_DIR)/$$1"; \
+	  OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+	    -m megatron_trainer.pretrain --bitparity-out $(CAPTURE_DIR)/$$1 --bitparity-init 7 $(PRETRAIN_SCRIPT) \
+	    $$args --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "$$2" > $(CAPTURE_DIR)/$$1.log 2>&1 \
+	    || { tail -30 $(CAPTURE_DIR)/$$1.log; exit 1; }; \
+	done; \
+	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/layout-b --out reports --name capture-demo $(ARGS)
+
 verify-golden: $(STAMP)
 	@set -e; for c in $(GOLDEN_CASES); do \
 	  env $(GOLDEN_ENV) $(BIN)/bitparity verify cases/$$c.yaml --train-iters $(GOLDEN_ITERS) --golden goldens/$$c \

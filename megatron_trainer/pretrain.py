@@ -14,7 +14,9 @@ Every rank writes ``DIR/rank{r}.jsonl`` (TRACE_FORMAT.md; `pretrain_hooks`); com
 * the capture (`pretrain_hooks.install`).
 
 Bad invocation (no script, a script that is not a file, an output directory that cannot be made): one line on
-stderr, exit 2.  A run the capture cannot trace (`pretrain_hooks.CaptureRefused`): one line, exit 2.
+stderr, exit 2.  A run the capture cannot trace (`pretrain_hooks.refusal` before megatron starts, `pretrain_hooks.CaptureRefused`
+at the first step) and a megatron the compatibility points were not checked against (`compat.CompatError`): one
+line, exit 2.
 """
 from __future__ import annotations
 
@@ -76,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.config.disable = True
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     sys.path.insert(0, str(script.resolve().parent))
-    points = compat.apply("cuda" if cuda else "cpu")
-    points += compat_training.apply("cuda" if cuda else "cpu")
+    try:
+        points = compat.apply("cuda" if cuda else "cpu")
+        points += compat_training.apply("cuda" if cuda else "cpu")
+    except compat.CompatError as e:
+        return _fail(f"bitparity capture: {e}")
     print(f"bitparity capture: {'cuda' if cuda else 'cpu'}, compat points {','.join(points)}; traces to {out}",
           file=sys.stderr)
     script_args = list(args.args)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -90,6 +91,18 @@ class CaptureError(RuntimeError):
 _STOP = object()
 
 
+def _timed(method):
+    """Count the host seconds the training loop spends inside a `RankCapture` call (the step's ``capture_s``)."""
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._spent += time.perf_counter() - start
+    timed.__name__, timed.__doc__ = method.__name__, method.__doc__
+    return timed
+
+
 class RankCapture:
     """One rank's trace, written by a background thread.
 
@@ -122,11 +135,13 @@ class RankCapture:
         self._error: Optional[BaseException] = None
         self._record: Optional[dict] = None
         self._pending: dict = {}
+        self._spent = 0.0
         self._thread = threading.Thread(target=self._drain, name=f"bitparity-capture-{self.path.name}", daemon=True)
         self._thread.start()
         self._put({"type": "header", "format": FORMAT, **header}, {})
 
     # --- the training loop's calls ---------------------------------------------------------------------------
+    @_timed
     def initial(self, values: list) -> None:
         """Fingerprint the initial parameter values ([tensor] aligned with `keys`) into the ``init`` record."""
         self._put({"type": "init"}, {"params": self._start(values)})
@@ -134,35 +149,43 @@ class RankCapture:
     def begin_step(self, step: int) -> None:
         """Open step `step` (0-based, the run's own count)."""
         self._check()
+        self._spent = 0.0
         self._record, self._pending = {"type": "step", "step": step, "grads": {}, "grad_norm": None,
                                        "clip_coeff": None, "clipped": None, "params": {}, "buffers": {}}, {}
 
+    @_timed
     def grads(self, tensors: list) -> None:
         """Fingerprint the gradients as the optimizer will see them ([tensor] aligned with `keys`; megatron's
         fp32 ``main_grad``): call before the optimizer step, which may scale them in place (clipping)."""
         self._step_record()
         self._pending["grads"] = self._start(tensors)
 
+    @_timed
     def params(self, tensors: list) -> None:
         """Fingerprint the parameters after the optimizer step ([tensor] aligned with `keys`; the fp32 master
         where the optimizer keeps one)."""
         self._step_record()
         self._pending["params"] = self._start(tensors)
 
+    @_timed
     def buffers(self, named: dict) -> None:
         """Fingerprint named buffers after their update ({global name: tensor}, e.g. the routers' expert_bias)."""
         self._step_record()
         self._pending["buffers"] = (list(named), fingerprint_hex_many_async(list(named.values()))) if named else {}
 
+    @_timed
     def set(self, **fields) -> None:
         """Put plain fields into the open step record (``grad_norm``, ``clip_coeff`` as `scalar` dicts,
         ``clipped``, ``losses``, ``lm_loss``, ``overlap``, ...; TRACE_FORMAT.md)."""
         self._step_record().update(fields)
 
     def end_step(self, time_s: float) -> None:
-        """Close the open step (`time_s`: the step's host seconds) and queue it for the writer thread."""
+        """Close the open step (`time_s`: the step's host seconds) and queue it for the writer thread; the record's
+        ``capture_s`` is the host time the loop spent inside this step's capture calls (on CUDA: launching the
+        fingerprint kernels; on CPU: computing them)."""
         record = self._step_record()
         record["time_s"] = time_s
+        record["capture_s"] = self._spent           # host seconds inside this step's capture calls
         self._put(record, self._pending)
         self._record, self._pending = None, {}
 
