@@ -45,10 +45,10 @@ class CaptureRefused(RuntimeError):
 
 #: megatron arguments (``get_args()``) under which a rank holds only part of a tensor: (attribute, flag, why).
 _SHARDED = (("tensor_model_parallel_size", "--tensor-model-parallel-size", "a rank holds a shard of each matrix"),
-            ("context_parallel_size", "--context-parallel-size", "a rank holds part of each sequence's activations "
-                                                                  "and losses"),
-            ("use_distributed_optimizer", "--use-distributed-optimizer", "a rank holds a shard of the gradients "
-                                                                           "and of the optimizer's parameters"))
+            ("context_parallel_size", "--context-parallel-size",
+             "a rank holds part of each sequence's activations and losses"),
+            ("use_distributed_optimizer", "--use-distributed-optimizer",
+             "a rank holds a shard of the gradients and of the optimizer's parameters"))
 
 
 def refusal(argv: list) -> Optional[str]:

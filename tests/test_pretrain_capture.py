@@ -21,7 +21,7 @@ from conftest import ROOT
 from planted import planted_megatron
 
 megatron_core = pytest.importorskip("megatron.core")
-from packaging.version import Version  # noqa: E402
+from packaging.version import Version
 
 pytestmark = [pytest.mark.megatron,
               pytest.mark.skipif(Version(megatron_core.__version__) < Version("0.17"),
@@ -100,7 +100,7 @@ def test_the_checkouts_own_pretrain_gpt_matches_the_stand_in(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     r = pretrain(tmp_path / "standin", LAYOUTS["b"])
     assert r.returncode == 0, r.stderr[-3000:]
-    r, summary = compare(tmp_path, tmp_path / "checkout", tmp_path / "standin")
+    r, _ = compare(tmp_path, tmp_path / "checkout", tmp_path / "standin")
     assert r.returncode == 0, r.stdout + r.stderr
 
 

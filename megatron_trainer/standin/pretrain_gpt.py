@@ -43,8 +43,8 @@ def get_batch(data_iterator, vp_stage=None):
         return None, None, None, None, None
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
-    get = lambda k: batch[k].to(device) if batch.get(k) is not None else None   # noqa: E731
-    return get("tokens"), get("labels"), get("loss_mask"), get("attention_mask"), get("position_ids")
+    return tuple(batch[k].to(device) if batch.get(k) is not None else None
+                 for k in ("tokens", "labels", "loss_mask", "attention_mask", "position_ids"))
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model=None):
