@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.config.disable = True
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     sys.path.insert(0, str(script.resolve().parent))
+    import importlib.util
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.training") is None:
+        return _fail("python -m megatron_trainer.pretrain: no megatron.training here (megatron-core < 0.17 ships "
+                     "only megatron.core): install megatron-core >= 0.17 (make ... PY=3.12) or run a Megatron-LM "
+                     "checkout's script")
     try:
         points = compat.apply("cuda" if cuda else "cpu")
         points += compat_training.apply("cuda" if cuda else "cpu")
