@@ -44,8 +44,9 @@ GOLDEN_ITERS ?= 8
 LONG_ITERS  ?= 8
 
 # Megatron-LM's own training loop with the bitparity capture (README "Capture inside your own training job"): the
-# tiny model of cases/pretrain/tiny-moe-mtp.args trained twice, MTP with the loss (Et|tmL) and MTP in its own stage
-# (Ett|mL), 2 ranks over gloo, then `bitparity compare`.  MEGATRON_LM=<checkout>: the checkout's pretrain_gpt.py
+# tiny model of cases/pretrain/tiny-moe-mtp.args trained twice, MTP after the last decoder layer (Et|tmL) and MTP in
+# a stage without decoder layers (Ett|mL; both co-located with the loss in Megatron's sense), 2 ranks over gloo, then
+# `bitparity compare`.  MEGATRON_LM=<checkout>: the checkout's pretrain_gpt.py
 # (its megatron/ first on the path); else bitparity's stand-in on the installed megatron-core (>= 0.17: PY=3.12).
 MEGATRON_LM ?=
 PRETRAIN_SCRIPT = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_gpt.py,megatron_trainer/standin/pretrain_gpt.py)

@@ -204,15 +204,22 @@ def _places(texts: list | None) -> list | None:
         return None
     from pydantic import ValidationError
     from .case_schema import ExpectedDivergence
+    known = list(ExpectedDivergence.model_fields)
     out = []
     for text in texts:
         fields = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
-            key, eq, value = part.partition("=")
+            key, eq, value = (x.strip() for x in part.partition("="))
             if not eq:
                 raise UsageError(f"--first-divergence {text!r}: {part!r} is not key=value")
-            value = value.strip()
-            fields[key.strip()] = int(value) if value.isdigit() else value
+            if key not in known:
+                raise UsageError(f"--first-divergence {text!r}: unknown key {key!r} (keys: {', '.join(known)})")
+            if key in fields:
+                raise UsageError(f"--first-divergence {text!r}: {key} given twice")
+            try:
+                fields[key] = int(value) if key in ("step", "microbatch", "max_ulp") else value
+            except ValueError:
+                raise UsageError(f"--first-divergence {text!r}: {key} must be an integer, got {value!r}") from None
         try:
             out.append(ExpectedDivergence.model_validate(fields))
         except ValidationError as e:
@@ -224,11 +231,15 @@ def _places(texts: list | None) -> list | None:
 
 def _compare(args, argv) -> int:
     from . import compare_dirs
-    if args.expect in ("may_diverge",) and not args.first_divergence:
+    import re
+    if args.expect == "may_diverge" and not args.first_divergence:
         raise UsageError("--expect may_diverge needs --first-divergence (where B may differ)")
+    if args.expect == "bitwise" and args.first_divergence:
+        raise UsageError("--first-divergence with --expect bitwise: say --expect may_diverge or diverge")
     places = _places(args.first_divergence)
-    if args.name is not None and not args.name.strip("._-"):
-        raise UsageError(f"--name {args.name!r}: not a usable report name")
+    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", args.name):
+        raise UsageError(f"--name {args.name!r}: letters, digits, '.', '_' and '-' only, at most 100, starting "
+                         "with a letter or digit")
     with _out_errors(args.out):
         result = compare_dirs.run(Path(args.a), Path(args.b), Path(args.out), "bitparity " + shlex.join(argv),
                                   expect=args.expect, first_divergence=places, name=args.name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -45,32 +46,67 @@ def _header(path: Path) -> dict:
 
 
 def _world(label: str, d: Path) -> tuple[int, dict]:
-    """(world size, rank 0's header) of trace directory `d`, every rank file present and of that world."""
+    """(world size, rank 0's header) of trace directory `d`, every rank file present, a regular file, of that
+    world and of the same command line."""
+    if not d.exists():
+        raise UsageError(f"{label} {d}: no such directory")
     if not d.is_dir():
         raise UsageError(f"{label} {d}: not a directory")
-    ranks = sorted(int(m.group(1)) for p in d.iterdir() if (m := _RANK_FILE.match(p.name)))
-    if not ranks:
+    files = {int(m.group(1)): p for p in d.iterdir() if (m := _RANK_FILE.match(p.name))}
+    if not files:
         raise UsageError(f"{label} {d}: no rank traces (rank0.jsonl ...)")
-    if 0 not in ranks:
+    odd = next((p for _, p in sorted(files.items()) if not p.is_file()), None)
+    if odd is not None:
+        raise UsageError(f"{label} {odd}: not a regular file")
+    if 0 not in files:
         raise UsageError(f"{label} {d}: rank0.jsonl is missing")
-    first = _header(d / "rank0.jsonl")
+    first = _header(files[0])
     world = first.get("world_size")
-    if not isinstance(world, int) or world < 1:
-        raise UsageError(f"{d / 'rank0.jsonl'}: its header has no world size")
-    missing = sorted(set(range(world)) - set(ranks))
-    if missing:
-        raise UsageError(f"{label} {d}: rank{missing[0]}.jsonl is missing ({len(missing)} of {world} ranks; "
-                         "gather every rank's trace into one directory)")
-    extra = [r for r in ranks if r >= world]
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise UsageError(f"{files[0]}: its header has no world size")
+    ranks = sorted(files)
+    extra = [r for r in ranks if r >= world or files[r].name != f"rank{r}.jsonl"]
     if extra:
-        raise UsageError(f"{label} {d}: rank{extra[0]}.jsonl is beyond the world size {world} rank0.jsonl states "
+        raise UsageError(f"{label} {files[extra[0]]}: beyond the world size {world} rank0.jsonl states "
                          "(a trace of another run in the same directory)")
+    if len(ranks) < world:      # the first gap, without enumerating a world size the header may exaggerate
+        gap = next((i for i, r in enumerate(ranks) if i != r), len(ranks))
+        raise UsageError(f"{label} {d}: rank{gap}.jsonl is missing ({world - len(ranks)} of {world} ranks; "
+                         "gather every rank's trace into one directory)")
+    argv = (first.get("settings") or {}).get("argv") if isinstance(first.get("settings"), dict) else None
     for r in range(1, world):
-        h = _header(d / f"rank{r}.jsonl")
+        h = _header(files[r])
         if h.get("world_size") != world or h.get("rank") != r:
-            raise UsageError(f"{d / f'rank{r}.jsonl'}: header says rank {h.get('rank')} of {h.get('world_size')}, "
+            raise UsageError(f"{files[r]}: header says rank {h.get('rank')} of {h.get('world_size')}, "
                              f"rank0.jsonl says world size {world} (traces of two runs mixed)")
+        theirs = (h.get("settings") or {}).get("argv") if isinstance(h.get("settings"), dict) else None
+        if argv is not None and theirs is not None and theirs != argv:
+            raise UsageError(f"{files[r]}: another training command line than rank0.jsonl's (traces of two runs "
+                             "mixed)")
+    for r in range(world):
+        _check_lines(files[r])
     return world, first
+
+
+_TYPES = {"header", "init", "step", "end"}
+
+
+def _check_lines(path: Path) -> None:
+    """Every line of a rank trace is a JSON object of a known ``type``; a step record has an int ``step`` and
+    mappings of fingerprints: else one line naming the file and line."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise UsageError(f"{path}:{n}: not JSON ({e.msg}; a cut-off or corrupted trace)") from None
+            if not isinstance(rec, dict) or rec.get("type") not in _TYPES:
+                raise UsageError(f"{path}:{n}: not a trace record (a JSON object with type header/init/step/end)")
+            if rec["type"] == "step" and (not isinstance(rec.get("step"), int) or not all(
+                    isinstance(rec.get(k, {}), dict) for k in ("grads", "params", "buffers"))):
+                raise UsageError(f"{path}:{n}: malformed step record (step number or fingerprint maps)")
 
 
 def load(label: str, d: Path) -> tuple[Trace, dict]:
@@ -83,7 +119,7 @@ def load(label: str, d: Path) -> tuple[Trace, dict]:
         return merge(d, world), header
     except TraceError as e:
         raise UsageError(f"{label} {d}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UsageError(f"{label} {d}: malformed rank trace ({type(e).__name__}: {e})") from None
 
 
@@ -110,31 +146,53 @@ def comparable(a: Trace, b: Trace) -> Optional[str]:
     return None
 
 
-def _layout(header: dict, trace: Trace) -> tuple[str, int, int]:
-    """(layout words, P, V) from a trace: megatron's pipeline_model_parallel_layout when the header has it."""
-    settings = header.get("settings") or {}
+def _layout(header: dict, trace: Trace) -> tuple[str, int, int, bool]:
+    """(layout words, P, V, MTP standalone) from a trace: megatron's pipeline_model_parallel_layout when the
+    header has it (standalone: Megatron's sense, the MTP stage not on the last pp rank)."""
+    settings = header.get("settings") if isinstance(header.get("settings"), dict) else {}
     pp = trace.world_size // max(trace.data_parallel_size, trace.expert_model_parallel_size, 1)
     vpp = max(1, len(header.get("stages") or [0]))
-    text = settings.get("pipeline_model_parallel_layout") or f"P={pp} V={vpp}"
-    return text, pp, vpp
+    text = settings.get("pipeline_model_parallel_layout")
+    standalone = False
+    if text:
+        from trainerkit.layout import PipelineLayout, parse_layout
+        try:
+            count = sum(st.count("t") for st in parse_layout(text))
+            layout = PipelineLayout.from_string(text, pp, count, settings.get("mtp_num_layers") or 0, True)
+            standalone, vpp = layout.mtp_standalone, layout.virtual_pipeline_model_parallel_size
+        except Exception:       # megatron accepted it; a grammar of a newer megatron only loses the word
+            pass
+    return text or f"P={pp} V={vpp}", pp, vpp, standalone
 
 
 def _variant(name: str, role: str, trace: Trace, header: dict, verdict: tuple, cmp, compare_to: str,
              run_dir: str, expect: str, extra: dict) -> VariantResult:
-    text, pp, vpp = _layout(header, trace)
+    text, pp, vpp, standalone = _layout(header, trace)
     return VariantResult(
-        name=name, layout=text, pp=pp, vpp=vpp, mtp_standalone=False, expect=expect, verdict=verdict[0],
+        name=name, layout=text, pp=pp, vpp=vpp, mtp_standalone=standalone, expect=expect, verdict=verdict[0],
         outcome=verdict[1], reason=verdict[2], bitwise_equal=cmp.bitwise_equal if cmp else True,
         first_divergence=cmp.first_divergence if cmp else None, series=series(trace, cmp),
         family_mismatches=cmp.family_mismatches if cmp else {}, run_dir=run_dir, compare_to=compare_to,
         trainer=header.get("trainer", "reference"), expert_model_parallel_size=trace.expert_model_parallel_size,
         data_parallel_size=trace.data_parallel_size, inventory=list(cmp.inventory) if cmp else [],
-        command=" ".join((header.get("settings") or {}).get("argv") or []) or role, **extra)
+        command=_command(header, role), **extra)
+
+
+def _command(header: dict, role: str) -> str:
+    """The command that made a trace directory, as far as its header knows it (megatron's own loop: the
+    torchrun line with the training script's arguments)."""
+    settings = header.get("settings") if isinstance(header.get("settings"), dict) else {}
+    argv = settings.get("argv")
+    if not isinstance(argv, list) or not argv:
+        return f"(run {role}: its trainer did not record its command)"
+    import shlex
+    return shlex.join(["torchrun", "--nproc_per_node", str(header.get("world_size", "?")), "-m",
+                       "megatron_trainer.pretrain", "--bitparity-out", "DIR", *map(str, argv)])
 
 
 def run(dir_a: Path, dir_b: Path, out_root: Path, command: str, expect: str = "bitwise",
         first_divergence: Optional[list[ExpectedDivergence]] = None, name: Optional[str] = None,
-        progress=print) -> CaseResult:
+        progress=print, warn=lambda line: print(line, file=sys.stderr)) -> CaseResult:
     """Compare trace directory `dir_b` with `dir_a` (the reference) and write the report to ``out_root/<name>``
     (default name: ``compare-<A's directory name>-<B's>``).  `expect` / `first_divergence`: what B is expected
     to do against A, as a case variant states it (`harness.case_schema.VariantSpec`).
@@ -143,6 +201,8 @@ def run(dir_a: Path, dir_b: Path, out_root: Path, command: str, expect: str = "b
         UsageError: the directories cannot be compared (one line, the first reason), or the report directory is
             not bitparity's (`harness.outdir`)."""
     start = time.monotonic()
+    if Path(dir_a).exists() and Path(dir_b).exists() and Path(dir_a).resolve() == Path(dir_b).resolve():
+        warn(f"bitparity: warning: A and B are the same directory ({dir_a}): it is compared with itself")
     a, ha = load("A", Path(dir_a))
     b, hb = load("B", Path(dir_b))
     why = comparable(a, b)
@@ -163,7 +223,6 @@ def run(dir_a: Path, dir_b: Path, out_root: Path, command: str, expect: str = "b
     where = localise(a, b, fd.step) if fd is not None and fd.kind != "inventory" else None
     if where:
         reason += f"; localised: {where['message']}"
-    progress(f"{verdict.upper():5} {name_b} vs {name_a}: {reason}")
     with outdir.workspace(out_root, case) as (work, final):
         for n, t in ((name_a, a), (name_b, b)):
             (work / "runs" / n).mkdir(parents=True)
@@ -185,6 +244,7 @@ def run(dir_a: Path, dir_b: Path, out_root: Path, command: str, expect: str = "b
                             elapsed_s=time.monotonic() - start, environment=env, command=command)
         write_report(result, work)
         outdir.publish(work, final)
+    progress(f"{verdict.upper():5} {name_b} vs {name_a}: {reason}")
     return result
 
 

@@ -56,18 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     script = Path(args.script)
     if not script.is_file():
         return _fail(f"python -m megatron_trainer.pretrain: {args.script}: no such training script")
+    from . import pretrain_hooks
+    refused = pretrain_hooks.refusal(args.args)
+    if refused:
+        return _fail(refused)
     out = Path(args.bitparity_out)
+    if out.exists() and not out.is_dir():
+        return _fail(f"--bitparity-out {args.bitparity_out}: not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         return _fail(f"--bitparity-out {args.bitparity_out}: {e.strerror or e}")
     if not os.access(out, os.W_OK):
         return _fail(f"--bitparity-out {args.bitparity_out}: not writable")
-
-    from . import pretrain_hooks
-    refused = pretrain_hooks.refusal(args.args)
-    if refused:
-        return _fail(refused)
 
     import torch
     from . import compat, compat_training
@@ -96,14 +97,21 @@ def main(argv: list[str] | None = None) -> int:
         script_args += ["--distributed-backend", "gloo"]     # megatron's default, nccl, needs CUDA
     pretrain_hooks.install(out, [str(script), *script_args], args.bitparity_init)
     sys.argv = [str(script), *script_args]
+    from trainerkit.capture import CaptureError
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except pretrain_hooks.CaptureRefused as e:
+    except (pretrain_hooks.CaptureRefused, CaptureError) as e:
         return _fail(str(e))
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
-    pretrain_hooks.finish()
+    try:
+        steps = pretrain_hooks.finish()
+    except CaptureError as e:
+        return _fail(str(e))
+    if steps == 0:
+        return _fail(f"bitparity capture: {script} ran no megatron training step (megatron.training's train_step "
+                     f"was never called): nothing written to {out}")
     return 0
 
 

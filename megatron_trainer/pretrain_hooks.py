@@ -47,6 +47,7 @@ class CaptureRefused(RuntimeError):
 _SHARDED = (("tensor_model_parallel_size", "--tensor-model-parallel-size", "a rank holds a shard of each matrix"),
             ("context_parallel_size", "--context-parallel-size",
              "a rank holds part of each sequence's activations and losses"),
+            ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "a rank holds a shard of each expert"),
             ("use_distributed_optimizer", "--use-distributed-optimizer",
              "a rank holds a shard of the gradients and of the optimizer's parameters"))
 
@@ -117,6 +118,8 @@ class _Capture:
         args = get_args()
         for attr, flag, why in _SHARDED:
             value = getattr(args, attr, None)
+            if attr == "expert_tensor_parallel_size" and value == getattr(args, "tensor_model_parallel_size", 1):
+                continue                 # megatron's default: the dense TP, itself refused when > 1
             if value not in (None, False, 1):
                 raise CaptureRefused(f"bitparity capture: {flag} {value} is not supported: {why}")
         chunks = [unwrap_model(m) for m in model]
@@ -262,7 +265,13 @@ def install(out_dir: Path, argv: list, init_seed: Optional[int] = None) -> None:
     training.train_step = train_step
 
 
-def finish() -> None:
-    """Close this process's trace (the ``end`` record; waits for the writer thread)."""
-    if _state is not None:
-        _state.finish()
+def finish() -> int:
+    """Close this process's trace (the ``end`` record; waits for the writer thread); returns how many training
+    steps it captured (0: the script ran no megatron training step, nothing was written).
+
+    Raises:
+        trainerkit.capture.CaptureError: the trace could not be written."""
+    if _state is None:
+        return 0
+    _state.finish()
+    return _state.step

@@ -4,6 +4,7 @@ writes, compared like verify's runs; directories that cannot be compared refused
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -119,7 +120,12 @@ def _lines(path):
 @pytest.mark.parametrize("breakage, words", [
     ("missing rank", "rank1.jsonl is missing"),
     ("truncated", "truncated (no end record)"),
-    ("stray rank", "rank2.jsonl is beyond the world size 2"),
+    ("stray rank", "rank2.jsonl: beyond the world size 2"),
+    ("huge world", "rank2.jsonl is missing (999999998 of 1000000000 ranks"),
+    ("null line", "rank1.jsonl:3: not a trace record"),
+    ("garbage line", "rank0.jsonl:2: not JSON"),
+    ("fifo", "rank1.jsonl: not a regular file"),
+    ("other command", "rank1.jsonl: another training command line than rank0.jsonl's"),
     ("other model", "other model: embedding.word_embeddings.weight has shape [4, 4] in A, [6, 6] in B"),
     ("other step count", "other step count: A has 2 steps, B 1"),
     ("not a trace", "rank0.jsonl: not a bitparity rank trace"),
@@ -145,6 +151,26 @@ def test_compare_refuses_what_cannot_be_compared(tmp_path, cli, breakage, words)
         shutil.copy(b / "rank1.jsonl", b / "rank2.jsonl")
     elif breakage == "not a trace":
         (b / "rank0.jsonl").write_text("hello\n")
+    elif breakage == "huge world":           # a header may claim anything: no list of that size is built
+        lines = _lines(b / "rank0.jsonl")
+        header = json.loads(lines[0])
+        header["world_size"] = 10 ** 9
+        (b / "rank0.jsonl").write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
+    elif breakage == "null line":
+        lines = _lines(b / "rank1.jsonl")
+        (b / "rank1.jsonl").write_text("\n".join(lines[:2] + ["null"] + lines[2:]) + "\n")
+    elif breakage == "garbage line":
+        lines = _lines(b / "rank0.jsonl")
+        (b / "rank0.jsonl").write_text("\n".join(lines[:1] + ['{"type": "init", "par'] + lines[2:]) + "\n")
+    elif breakage == "fifo":                  # would block a reader forever
+        (b / "rank1.jsonl").unlink()
+        os.mkfifo(b / "rank1.jsonl")
+    elif breakage == "other command":
+        for r in (0, 1):
+            lines = _lines(b / f"rank{r}.jsonl")
+            header = json.loads(lines[0])
+            header["settings"] = {"argv": ["pretrain_gpt.py", "--clip-grad", str(r)]}
+            (b / f"rank{r}.jsonl").write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
     elif breakage == "mixed runs":
         lines = _lines(b / "rank1.jsonl")
         header = json.loads(lines[0])
@@ -156,14 +182,33 @@ def test_compare_refuses_what_cannot_be_compared(tmp_path, cli, breakage, words)
     assert not (tmp_path / "rep").exists() or not any((tmp_path / "rep").iterdir())
 
 
+D = ["--expect", "diverge", "--first-divergence"]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--expect", "may_diverge"], "--expect may_diverge needs --first-divergence"),
-    (["--first-divergence", "kind=gradient"], "--first-divergence 'kind=gradient': kind:"),
-    (["--first-divergence", "step"], "'step' is not key=value"),
-    (["--first-divergence", "kind=grad,color=red"], "color"),
-    (["--name", ".."], "not a usable report name"),
+    (["--first-divergence", "kind=grad"], "--first-divergence with --expect bitwise"),
+    (D + ["kind=gradient"], "--first-divergence 'kind=gradient': kind:"),
+    (D + ["step"], "'step' is not key=value"),
+    (D + ["kind=grad,color=red"], "unknown key 'color'"),
+    (D + ["kind=grad,step=-1"], "step: Input should be greater than or equal to 0"),
+    (D + ["kind=grad,step=0,step=5"], "step given twice"),
+    (D + ["kind=grad,step=x"], "step must be an integer"),
+    (["--name", ".."], "--name '..': letters, digits"),
+    (["--name", "x/y"], "--name 'x/y': letters, digits"),
+    (["--name", "a\nb"], "letters, digits"),
 ])
 def test_compare_refuses_bad_options(tmp_path, cli, args, words):
     a = _write(tmp_path / "a")
     r = cli("compare", a, a, "--out", tmp_path / "rep", *args)
-    assert r.returncode == 2 and words in r.stderr, r.stderr
+    assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "rep").exists()
+
+
+def test_compare_checks_out_before_saying_a_verdict(tmp_path, cli):
+    a, b = _write(tmp_path / "a"), _write(tmp_path / "b")
+    (tmp_path / "afile").write_text("")
+    r = cli("compare", a, b, "--out", tmp_path / "afile")
+    assert r.returncode == 2 and "--out" in r.stderr and "PASS" not in r.stdout, r.stdout + r.stderr
+    r = cli("compare", a, a, "--out", tmp_path / "rep")       # allowed, but said
+    assert r.returncode == 0 and "same directory" in r.stderr

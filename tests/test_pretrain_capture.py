@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.megatron,
 
 STANDIN = ROOT / "megatron_trainer" / "standin" / "pretrain_gpt.py"
 ARGS_FILE = ROOT / "cases" / "pretrain" / "tiny-moe-mtp.args"
-LAYOUTS = {"a": "Et|tmL", "b": "Ett|mL"}        # MTP with the loss / MTP in its own stage (PR #2136)
+LAYOUTS = {"a": "Et|tmL", "b": "Ett|mL"}        # MTP after the last decoder layer / in a stage without decoder layers
 
 
 def tiny_args() -> list[str]:
@@ -114,8 +114,15 @@ def test_refusals_are_one_line(tmp_path):
     # a rank that holds shards (distributed optimizer, TP, CP): refused before megatron starts, one line, exit 2
     for flags, words in ((["--use-distributed-optimizer"], "--use-distributed-optimizer is not supported"),
                          (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 is not supported"),
-                         (["--context-parallel-size=4"], "--context-parallel-size 4 is not supported")):
+                         (["--context-parallel-size=4"], "--context-parallel-size 4 is not supported"),
+                         (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 is not")):
         r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", "--bitparity-out",
                             str(tmp_path / "o"), str(STANDIN), *tiny_args(), *flags], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert not (tmp_path / "o").exists()            # refused before anything is made
+    # a script that trains nothing with megatron's loop: said, not a silent success without a trace
+    (tmp_path / "hello.py").write_text("print('hello')\n")
+    r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", "--bitparity-out", str(tmp_path / "h"),
+                        str(tmp_path / "hello.py")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "ran no megatron training step" in r.stderr, r.stdout + r.stderr
