@@ -7,7 +7,7 @@ Nothing of the checkout is edited.  `install` wraps, before the training script 
   as the megatron trainer's) and the initial values; every call opens a step, wraps
   - the ``forward_step_func``'s loss function, to record each microbatch's ``(loss sum, num_tokens)`` as
     ``pretrain_gpt.loss_func`` returns them (its first two values), and each MTP depth's loss as megatron logs
-    it (`train._record_mtp_losses`);
+    it (`train.record_mtp_losses`);
   - the ``forward_backward_func``, to forget a forward-backward that megatron's rerun state machine repeats;
   - ``optimizer.step`` for this call: gradients (``main_grad``, after ``finalize_model_grads``) fingerprinted
     before it (clipping scales them in place), parameters (the fp32 masters in bf16), router ``expert_bias``,
@@ -147,7 +147,7 @@ class _Capture:
         self.capture = RankCapture(path, header)
         self.capture.initial(self.values)
         if self.mtp_num_layers:
-            megatron_train._record_mtp_losses(self.recorder)
+            megatron_train.record_mtp_losses(self.recorder)
 
     def finish(self) -> None:
         if self.capture is not None:

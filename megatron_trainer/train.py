@@ -82,9 +82,10 @@ class LossRecorder:
 MTP_LOSS_HOOKS = ("save_metrics_to_tracker", "save_loss_to_tracker")
 
 
-def _record_mtp_losses(recorder: LossRecorder) -> None:
+def record_mtp_losses(recorder) -> None:
     """Capture each MTP depth's loss as megatron logs it (`MTP_LOSS_HOOKS`: called once per depth per microbatch
-    in GPTModel's forward on the loss stage), then let megatron log it too.
+    in GPTModel's forward on the loss stage) into ``recorder.mtp`` (a list; `LossRecorder`, or the capture of
+    megatron's own loop, `pretrain_hooks`), then let megatron log it too.
 
     Raises:
         RuntimeError: the installed megatron has neither hook (the MTP losses could not be captured)."""
@@ -241,7 +242,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
     t, m = cfg.training, cfg.model
     r = build(cfg, device)
     recorder = LossRecorder()
-    _record_mtp_losses(recorder)
+    record_mtp_losses(recorder)
     overlap = cfg.parallel.overlap_moe_expert_parallel_comm
     counter = OverlapCounter()
     if overlap:
