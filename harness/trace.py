@@ -77,10 +77,29 @@ class Trace:
         return cls(**raw)
 
 
+_TYPES = ("header", "init", "step", "end")
+
+
+def _record(path: Path, n: int, line: str) -> dict:
+    """Line `n` of a rank trace as its record: a JSON object of a known ``type``, a step record with an int
+    ``step`` and mappings of fingerprints; else a TraceError naming the file and line."""
+    try:
+        rec = json.loads(line)
+    except ValueError as e:
+        raise TraceError(f"{path}:{n}: not JSON ({e.msg}; a cut-off or corrupted trace)") from None
+    if not isinstance(rec, dict) or rec.get("type") not in _TYPES:
+        raise TraceError(f"{path}:{n}: not a trace record (a JSON object with type {'/'.join(_TYPES)})")
+    if rec["type"] == "step" and (not isinstance(rec.get("step"), int) or not all(
+            isinstance(rec.get(k, {}), dict) for k in ("grads", "params", "buffers"))):
+        raise TraceError(f"{path}:{n}: malformed step record (step number or fingerprint maps)")
+    return rec
+
+
 def _read(path: Path) -> list[dict]:
     if not path.is_file():
         raise TraceError(f"missing rank trace {path}")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with path.open(encoding="utf-8", errors="replace") as f:
+        records = [_record(path, n, line) for n, line in enumerate(f, start=1) if line.strip()]
     if not records or records[0].get("type") != "header" or records[0].get("format") != RANK_FORMAT:
         raise TraceError(f"{path}: not a {RANK_FORMAT} trace")
     if records[-1].get("type") != "end":
@@ -133,7 +152,8 @@ def merge(run_dir: Path, world_size: int) -> Trace:
     its buffers, grad norm and clip coefficient must equal DP rank 0's like an EP replica's.
 
     Raises:
-        TraceError: a rank trace is missing or truncated, two ranks hold the same key, an EP or DP replica's
+        TraceError: a rank trace is missing, truncated or corrupted (a line that is not a trace record, named by
+            file:line), two ranks hold the same key, an EP or DP replica's
             records differ from EP / DP rank 0's, or the ranks disagree on the number of steps.
     """
     params, owner, init, steps = {}, {}, {}, {}
