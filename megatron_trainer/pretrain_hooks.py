@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from trainerkit.capture import RankCapture, microbatch_losses, param_entry, scalar
+from trainerkit.capture import RankCapture, microbatch_losses, scalar
 from trainerkit import names
 from trainerkit.init import init_parameters
 
@@ -127,10 +127,9 @@ class _Capture:
         params = global_parameters(chunks, args.num_experts // ep if args.num_experts else 0,
                                    ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank(),
                                    ps.get_expert_data_parallel_rank(), strict=False)
-        masters = megatron_train.master_params(optimizer)
+        masters, decay = megatron_train.optimizer_view(optimizer, params)
         if self.init_seed is not None:
             _reinitialise(params, masters, args, self.init_seed)
-        decay = megatron_train.weight_decay_groups(optimizer)
         self.params = params
         self.values = [masters.get(id(gp.param), gp.param) for gp in params]
         self.buffers = expert_biases(chunks)
@@ -142,8 +141,8 @@ class _Capture:
         rank = dist.get_rank()
         path = self.out_dir / f"rank{rank}.jsonl"
         path.unlink(missing_ok=True)                 # a trace of an earlier run in the same directory
-        header = _header(args, rank, chunks, params, keys, decay, masters, time.perf_counter() - self.started,
-                         self.argv)
+        header = {**megatron_train.rank_fields(chunks, params, keys, decay, strict=False),
+                  **_header(args, params, time.perf_counter() - self.started, self.argv)}
         self.capture = RankCapture(path, header)
         self.capture.initial(self.values)
         if self.mtp_num_layers:
@@ -168,22 +167,13 @@ def _reinitialise(params: list, masters: dict, args, seed: int) -> None:
             master.copy_(gp.param.float())
 
 
-def _header(args, rank, chunks, params, keys, decay, masters, setup_s, argv) -> dict:
+def _header(args, params, setup_s, argv) -> dict:
+    """The header's fields beyond the rank's identity (`train.rank_fields`): device, dtype, transport, and the
+    settings of megatron's own loop (its command line, layout, microbatches)."""
     import megatron.core
-    from megatron.core import parallel_state as ps
 
-    pp = ps.get_pipeline_model_parallel_world_size()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
     device = next(iter(params)).param.device if params else torch.device("cpu")
-    return {"rank": rank, "world_size": dist.get_world_size(), "pp_rank": pp_rank,
-            "ep_rank": ps.get_expert_model_parallel_rank(),
-            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-            "dp_rank": ps.get_data_parallel_rank(), "data_parallel_size": ps.get_data_parallel_world_size(),
-            "stages": [vp * pp + pp_rank for vp in range(len(chunks))],
-            "params": [param_entry(k, gp.name, gp.replica, gp.param,
-                                   decay.get(id(masters.get(id(gp.param), gp.param)), False), strict=False)
-                       for k, gp in zip(keys, params)],
-            "reductions": "megatron", "device": str(device),
+    return {"reductions": "megatron", "device": str(device),
             "params_dtype": "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
             "transport": dist.get_backend(), "trainer": "megatron-core", "setup_s": setup_s,
             "settings": {"training_loop": "megatron.training.pretrain", "argv": list(argv),

@@ -195,28 +195,43 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     scheduler = options.scheduler(optimizer, cfg)
     config.finalize_model_grads_func = faults.finalize(cfg.inject, finalize_model_grads)
     config.grad_scale_func = optimizer.scale_loss
-    masters = master_params(optimizer)
-    decay = weight_decay_groups(optimizer)          # keyed by what the optimizer updates: the master in bf16
+    masters, decay = optimizer_view(optimizer, params)
     return MegatronRank(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
                         params=params, keys=[names.replica_key(gp.name, gp.replica) for gp in params],
-                        masters=masters,
-                        decay={id(gp.param): decay[id(masters.get(id(gp.param), gp.param))] for gp in params})
+                        masters=masters, decay=decay)
 
 
-def header(cfg: RunConfig, rank: int, device: torch.device, r: MegatronRank, setup_s: float) -> dict:
-    """The trace header's fields (TRACE_FORMAT.md; `trainerkit.capture.RankCapture`) of global rank `rank`."""
-    import megatron.core
+def optimizer_view(optimizer, params: list) -> tuple[dict, dict]:
+    """What megatron's optimizer does with each of `params` (GlobalParam): ({id(param): fp32 master} in bf16,
+    `master_params`; {id(param): weight decay on}, from the group of what it updates, `weight_decay_groups`; a
+    parameter no group holds, frozen in a user's model, is not decayed)."""
+    masters = master_params(optimizer)
+    decay = weight_decay_groups(optimizer)          # keyed by what the optimizer updates: the master in bf16
+    return masters, {id(gp.param): decay.get(id(masters.get(id(gp.param), gp.param)), False) for gp in params}
 
+
+def rank_fields(chunks: list, params: list, keys: list, decay: dict, strict: bool = True) -> dict:
+    """The trace header's identity fields of this rank (TRACE_FORMAT.md), from megatron's parallel state: global
+    rank and world size, pp / ep / dp ranks and sizes, the flat stages its `chunks` hold (vp * P + pp rank), and
+    ``params`` (`param_entry` of each GlobalParam under its trace key; `decay`: {id(param): weight decay on};
+    `strict`: names must be DeepSeek-V3's, `trainerkit.names`)."""
     from megatron.core import parallel_state as ps
-    return {"rank": rank, "world_size": dist.get_world_size(),
-            "pp_rank": ps.get_pipeline_model_parallel_rank(), "ep_rank": ps.get_expert_model_parallel_rank(),
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "pp_rank": pp_rank,
+            "ep_rank": ps.get_expert_model_parallel_rank(),
             "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
             "dp_rank": ps.get_data_parallel_rank(), "data_parallel_size": ps.get_data_parallel_world_size(),
-            "stages": [vp * cfg.parallel.pipeline_model_parallel_size + ps.get_pipeline_model_parallel_rank()
-                       for vp in range(len(r.chunks))],
-            "params": [param_entry(k, gp.name, gp.replica, gp.param, r.decay[id(gp.param)])
-                       for k, gp in zip(r.keys, r.params)],
-            "reductions": "megatron", "device": str(device), "params_dtype": cfg.params_dtype,
+            "stages": [vp * pp + pp_rank for vp in range(len(chunks))],
+            "params": [param_entry(k, gp.name, gp.replica, gp.param, decay[id(gp.param)], strict=strict)
+                       for k, gp in zip(keys, params)]}
+
+
+def header(cfg: RunConfig, device: torch.device, r: MegatronRank, setup_s: float) -> dict:
+    """The trace header's fields (TRACE_FORMAT.md; `trainerkit.capture.RankCapture`) of this rank."""
+    import megatron.core
+
+    return {**rank_fields(r.chunks, r.params, r.keys, r.decay), "reductions": "megatron", "device": str(device),
+            "params_dtype": cfg.params_dtype,
             "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
             "setup_s": setup_s,
             "settings": {"overlap_p2p_comm": r.config.overlap_p2p_comm, "batch_p2p_comm": r.config.batch_p2p_comm,
@@ -251,7 +266,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
     data = TokenDataset(t.data, t.seed, t.seq_length, t.micro_batch_size, m.vocab_size)
     buffers = expert_biases(r.chunks)
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    capture = RankCapture(trace_path, header(cfg, rank, device, r, time.perf_counter() - started),
+    capture = RankCapture(trace_path, header(cfg, device, r, time.perf_counter() - started),
                           fingerprints=cfg.capture != "losses")
     capture.initial(r.values())
     for step in range(t.train_iters):
