@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--launcher", choices=("fork", "torchrun"), default="fork",
                    help="fork: ranks forked from a torch-preloaded forkserver (default); torchrun: one "
                         "torchrun per run, rank/world from the environment, local rank r on cuda:r")
+    v.add_argument("--jobs", type=int, metavar="N", help="run at most N runs at once (default: as many as this "
+                   "machine's cores carry, packed by rank count; 1: one after another)")
     v.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)   # test-only planted faults
     g = v.add_mutually_exclusive_group()
     g.add_argument("--golden", metavar="DIR", help="also compare every run with its golden trace in DIR "
@@ -185,9 +187,11 @@ def _verify(args, argv) -> int:
         goldens = golden.GoldenRequest(Path(args.write_golden), True, key)
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
+    if args.jobs is not None and not 1 <= args.jobs <= 1024:
+        raise UsageError(f"--jobs {args.jobs}: expected a number of runs from 1 to 1024")
     with _out_errors(args.out):
         result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
-                        launcher=args.launcher, evidence_all=args.evidence, goldens=goldens)
+                        launcher=args.launcher, evidence_all=args.evidence, goldens=goldens, jobs=args.jobs)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
     cross = result.cross_implementation
     cross_words = f", cross-implementation {cross['verdict']}" if cross else ""

@@ -21,7 +21,7 @@ from trainerkit.config import CheckpointConfig
 from trainerkit.data import text_sha256
 from trainerkit.schedule import build_schedule, serialise, timeline
 
-from . import agreement, crossimpl, expectations, golden, outdir, signature, trainers
+from . import agreement, crossimpl, expectations, golden, outdir, pool, signature, trainers
 from .arithmetic import environment
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
@@ -248,8 +248,11 @@ def _comparison_record(v: VariantResult) -> dict:
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
            progress: Callable[[str], None] = print, launcher: str = "fork", evidence_all: bool = False,
-           goldens: Optional[golden.GoldenRequest] = None) -> CaseResult:
+           goldens: Optional[golden.GoldenRequest] = None, jobs: Optional[int] = None) -> CaseResult:
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``).
+
+    jobs: how many runs may go at once (`harness.pool.run_packed`: packed by rank count into this process's CPU
+    cores); None: as many as fit, 1: one after another.
 
     ULP evidence (`harness.evidence`) is collected for every failing variant whose first divergence is a
     gradient or parameter, and with `evidence_all` also for variants that diverge as expected.  `goldens`:
@@ -264,11 +267,11 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     # the partial directory is removed and the lock released on every exit, a crash included
     with outdir.workspace(out_root, plan.name) as (work, final):
         return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
-                       goldens)
+                       goldens, jobs or pool.cores())
 
 
 def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
-            goldens) -> CaseResult:
+            goldens, jobs) -> CaseResult:
     env = environment()
     timeout = timeout_s or plan.spec.timeout_s
     traces, outcomes, repeats = {}, {}, {}
@@ -288,14 +291,15 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             ckpt = str(work / dirs[src] / f"checkpoint-step{k}")
             plan_configs[src] = plan_configs[src].model_copy(update={"checkpoint": CheckpointConfig(step=k, dir=ckpt)})
             plan_configs[r.spec.name] = plan_configs[r.spec.name].model_copy(update={"resume_from": ckpt})
-    order = sorted(plan.runs, key=lambda r: r.spec.resume is not None)
     runner_preload(r.config for r in plan.runs)
-    for i, run in enumerate(order, start=1):
+    numbered = {r.spec.name: i for i, r in enumerate(plan.runs, start=1)}
+
+    def execute(run: PlannedRun) -> tuple:
         name = run.spec.name
         run = dataclasses.replace(run, config=plan_configs[name])
         ep, dp = run.config.parallel.expert_model_parallel_size, run.config.parallel.data_parallel_size
         who = "" if run.config.trainer == "reference" else f" [{run.config.trainer}]"
-        progress(f"[{i}/{len(plan.runs)}] {name}{who}: P={run.layout.pipeline_model_parallel_size} "
+        progress(f"[{numbered[name]}/{len(plan.runs)}] {name}{who}: P={run.layout.pipeline_model_parallel_size} "
                  f"V={run.layout.virtual_pipeline_model_parallel_size}{f' DP={dp}' if dp > 1 else ''}"
                  f"{f' EP={ep}' if ep > 1 else ''} "
                  f"{run.layout.text} ...")
@@ -311,11 +315,19 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
                 outcome = RunOutcome(False, f"trace error: {e}", outcome.elapsed_s)
         (work / dirs[name] / "manifest.json").write_text(
             json.dumps(_manifest(plan, run, outcome, trace, env, reproduce[name], schedules[name]), indent=1))
-        traces[name], outcomes[name] = trace, outcome
-        progress(f"      {'ran' if outcome.ok else 'ERROR'} in {outcome.elapsed_s:.1f} s"
+        progress(f"      {name}: {'ran' if outcome.ok else 'ERROR'} in {outcome.elapsed_s:.1f} s"
                  + ("" if outcome.ok else f": {outcome.error.splitlines()[0]}"))
-        if trace is not None and run.spec.repeat > 1:
-            repeats[name] = _repeat(run, trace, work / dirs[name], timeout, launcher, progress)
+        repeat = _repeat(run, trace, work / dirs[name], timeout, launcher, progress) \
+            if trace is not None and run.spec.repeat > 1 else None
+        return trace, outcome, repeat
+
+    # a run that resumes from another's checkpoint starts after every run that saves one
+    for phase in ([r for r in plan.runs if not r.spec.resume], [r for r in plan.runs if r.spec.resume]):
+        done = pool.run_packed(phase, lambda r: r.config.parallel.world_size, execute, pool.cores(), jobs)
+        for run, (trace, outcome, repeat) in zip(phase, done):
+            traces[run.spec.name], outcomes[run.spec.name] = trace, outcome
+            if repeat is not None:
+                repeats[run.spec.name] = repeat
     base_name = plan.runs[0].spec.name
     variants = []
     for run in plan.runs:

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainerkit.fingerprint import _header, fingerprint, float_bits_hex
+from trainerkit.fingerprint import _header, fingerprint, fingerprints, float_bits_hex
 
 MASK64 = (1 << 64) - 1
 # dtype -> (bit width, integer view dtype of the same size) used to flip bits in place
@@ -101,6 +101,18 @@ def test_matches_pure_python_definition(dtype, shape):
     """`fingerprint` equals the documented definition computed independently in pure Python."""
     t = sample(dtype, shape, seed=len(shape) * 31 + DTYPES.index(dtype))
     assert fingerprint(t) == py_fingerprint(t)
+
+
+def test_fingerprints_of_a_list_match_the_definition_per_tensor():
+    """The one-pass list form (`fingerprints`: word index restarting per tensor, per-tensor reduceat) gives each
+    tensor its own definition value, whatever its neighbours: empty tensors, odd byte counts that pad, views
+    that are not contiguous, every dtype, in one mixed list."""
+    tensors = [sample(dtype, shape, seed=k) for k, (dtype, shape) in
+               enumerate((d, s) for d in DTYPES for s in [(), (0,), (3,), (5, 3), (2, 0, 3), (9,)])]
+    tensors += [sample(torch.float32, (4, 6), seed=99).t(), sample(torch.bfloat16, (3, 5), seed=98)[:, 1:4]]
+    assert fingerprints(tensors) == [py_fingerprint(t) for t in tensors]
+    assert fingerprints(tensors[::-1]) == [py_fingerprint(t) for t in tensors[::-1]]
+    assert fingerprints([]) == []
 
 
 def test_returns_python_int_in_range():

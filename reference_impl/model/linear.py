@@ -43,6 +43,13 @@ def _wgrad(weight: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> torch.Tens
     return torch.matmul(g.reshape(-1, weight.shape[0]).t(), x.reshape(-1, weight.shape[1]))
 
 
+# Function.apply's Python wrapper (default-argument binding, functorch's dead-wrapper unwrapping) costs about as
+# much as the small matrix product it wraps, and a DeepSeek-V3 step makes ~22,000 of them per rank; outside a
+# functorch transform it ends in this C entry point with the same arguments, so calling it directly builds the
+# same graph node.
+_APPLY = super(torch.autograd.Function, _LinearFn).apply
+
+
 class Linear(nn.Linear):
     """`torch.nn.Linear` without bias (same parameter name ``weight`` [out, in] and init) whose backward
     honours `delayed_wgrad`.  Input [..., in] -> [..., out], any float dtype."""
@@ -51,7 +58,9 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight)
+        if torch._C._are_functorch_transforms_active():
+            return _LinearFn.apply(x, self.weight)
+        return _APPLY(x, self.weight)
 
 
 @contextmanager
