@@ -10,6 +10,7 @@ itself die (any signal, SIGKILL included), the forkserver, torchrun and every ra
 from __future__ import annotations
 
 import multiprocessing as mp
+from multiprocessing import forkserver
 import os
 import re
 import signal
@@ -44,6 +45,10 @@ def preload(configs) -> None:
     if megatron and {c.megatron_path for c in megatron} == {None} and not any(c.device == "cuda" for c in configs):
         modules.append("megatron_trainer.preload")
     _CTX.set_forkserver_preload(modules)
+    # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
+    # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
+    # (harness.pool) would be killed when that thread ends, and the next run would find it gone
+    forkserver.ensure_running()
 
 
 @dataclass

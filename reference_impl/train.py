@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from trainerkit import names
-from trainerkit.capture import FORMAT, TraceWriter, dump_tensors, scalar
+from trainerkit.capture import FORMAT, CaptureClock, TraceWriter, dump_tensors, scalar
 from trainerkit.fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
 
 from . import checkpoint, faults
@@ -177,8 +177,10 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
     if cfg.resume_from is not None:
         first_step = checkpoint.load(state, optimizer, Path(cfg.resume_from)) + 1
         faults.after_resume(cfg.inject, optimizer)
+    clock = CaptureClock()
     for step in range(first_step, t.train_iters):
         start = time.perf_counter()
+        clock.begin_step()
         faults.at_step_start(cfg.inject, step, rank, dist.get_world_size())
         mbs = [Microbatch(*(x.to(state.device) for x in data.microbatch(step, m)), index=m)
                for m in range(t.num_microbatches)]
@@ -192,7 +194,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
         faults.after_grads(cfg.inject, step, state.params, cfg.model.num_layers)
         dumping = cfg.dump is not None and cfg.dump.step == step
         dump = state.dump_tensors("main_grad", "grad") if dumping else {}
-        grads = state.fingerprints("main_grad")
+        with clock.capture():
+            grads = state.fingerprints("main_grad")
         record = {"type": "step", "step": step, "grads": None, "grad_norm": None, "clip_coeff": None,
                   "clipped": None}
         if t.clip_grad > 0:
@@ -208,13 +211,17 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
                 p.main_grad.zero_()
                 if p.master is not p:
                     p.copy_(p.master)
-        params = state.fingerprints("master")
+        with clock.capture():
+            params = state.fingerprints("master")
         if dumping:
             dump.update(state.dump_tensors("master", "param"))
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
+        timing = clock.end_step()
+        # waits for the device to finish the step (not capture time); then the small rest of the capture
         record["grads"], record["params"] = state.resolve(grads), state.resolve(params)
-        record["buffers"] = state.buffers()
-        record["router_ties"] = state.router_ties()
+        with clock.capture():
+            record["buffers"] = state.buffers()
+            record["router_ties"] = state.router_ties()
         record["actions"] = executor.timings
         if outs:
             record["losses"] = [{"microbatch": m, "lm": scalar(o.lm_loss), "num_tokens": int(o.num_tokens.item()),
@@ -223,6 +230,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
         if probe is not None:
             record.update(probe.take())
         record["time_s"] = time.perf_counter() - start
+        record.update(timing.fields(), capture_s=clock.host_s)
         writer.write(record)
         if cfg.checkpoint is not None and cfg.checkpoint.step == step:
             checkpoint.save(state, optimizer, Path(cfg.checkpoint.dir), step)

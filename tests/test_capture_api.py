@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainerkit import names
-from trainerkit.capture import CaptureError, RankCapture, float64_scalar, microbatch_losses, param_entry
+from trainerkit.capture import CaptureClock, CaptureError, RankCapture, float64_scalar, microbatch_losses, param_entry
 
 NAMES = [["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
           "decoder.layers.0.self_attention.linear_qkv.bias"],
@@ -63,6 +63,38 @@ def test_rank_capture_writes_the_trace_format(tmp_path):
     meta = {p["name"]: p for p in json.loads((out / "rank0.jsonl").read_text().splitlines()[0])["params"]}
     bias = meta["decoder.layers.0.self_attention.linear_qkv.bias"]
     assert bias["family"] == "attention" and bias["order"][:2] == [1, 0] and bias["order"][2] > 10 ** 9
+
+
+def test_capture_clock_counts_only_what_runs_inside_capture(monkeypatch):
+    """Host seconds inside ``capture()`` are summed per step and nothing outside is; on a process without CUDA
+    there are no device fields (no event was recorded).  A fake clock makes the sums exact."""
+    ticks = iter(range(100))
+    monkeypatch.setattr("trainerkit.capture.time.perf_counter", lambda: float(next(ticks)))
+    clock = CaptureClock()
+    clock.begin_step()
+    with clock.capture():              # 0 -> 1
+        pass
+    next(ticks)                        # time outside capture: not counted
+    with clock.capture():              # 3 -> 4
+        pass
+    timing = clock.end_step()
+    assert clock.host_s == 2.0
+    if not torch.cuda.is_initialized():
+        assert timing.fields() == {"capture_s": 2.0}
+    clock.begin_step()
+    assert clock.host_s == 0.0
+
+
+def test_reference_steps_carry_capture_time(tmp_path):
+    """The reference trainer's step records carry ``capture_s`` (host seconds in its capture calls, a part of
+    ``time_s``), measured in the rank."""
+    from harness.cases import load_case
+    from harness.runner import run_ranks
+    cfg = load_case("cases/smoke.yaml", only=["pp1"]).runs[-1].config
+    assert run_ranks(cfg, tmp_path / "run", 300).ok
+    steps = [json.loads(x) for x in (tmp_path / "run" / "rank0.jsonl").read_text().splitlines()
+             if '"type":"step"' in x]
+    assert steps and all(0 < s["capture_s"] < s["time_s"] for s in steps)
 
 
 def test_rank_capture_misuse_and_writer_failure(tmp_path, monkeypatch):

@@ -106,8 +106,8 @@ def test_matches_cpu_definition(dtype, size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("pack", fg.PACKS)
-def test_every_alignment_class_and_pack_agrees(pack, dtype):
+@pytest.mark.parametrize("pack,loop", [(p, "static") for p in fg.PACKS] + [("reshape", "dynamic")])
+def test_every_alignment_class_and_pack_agrees(pack, loop, dtype):
     """Every alignment class (offset views of one buffer: 16-byte aligned, 8-byte aligned, and each
     misalignment the element size allows, funnel-shifted), partial last words, and both packings of the
     strided kernel's element loads give the reference bits."""
@@ -118,8 +118,8 @@ def test_every_alignment_class_and_pack_agrees(pack, dtype):
     classes = {fg._alignment(fg._meta(v)) for v in views}
     assert classes == {(True, 0), (False, 0)} | {(False, r) for r in range(esize, 8, esize)}
     want = [ref(v) for v in views]
-    assert fg.fingerprint_many(views, pack=pack, **SMALL) == want
-    assert [fg.fingerprint_device(v, pack=pack, **SMALL) for v in views[::4]] == want[::4]
+    assert fg.fingerprint_many(views, pack=pack, loop=loop, **SMALL) == want
+    assert [fg.fingerprint_device(v, pack=pack, loop=loop, **SMALL) for v in views[::4]] == want[::4]
 
 
 def test_partial_word_ignores_the_bytes_after_the_tensor():
@@ -159,10 +159,11 @@ def _mixed_list():
 
 
 @pytest.mark.parametrize("pack", fg.PACKS)
-def test_many_equals_per_tensor(pack):
+@pytest.mark.parametrize("loop", fg.LOOPS)
+def test_many_equals_per_tensor(pack, loop):
     ts = _mixed_list()
     want = [ref(t) for t in ts]
-    assert fg.fingerprint_many(ts, pack=pack, **SMALL) == want
+    assert fg.fingerprint_many(ts, pack=pack, loop=loop, **SMALL) == want
     assert fg.fingerprint_hex_many_device(ts, pack=pack, **SMALL) == [f"{v:016x}" for v in want]  # cached plan
     assert [fg.fingerprint_device(t, **SMALL) for t in ts[::13]] == want[::13]
     assert fg.fingerprint_many([]) == []

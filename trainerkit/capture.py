@@ -15,6 +15,8 @@ fingerprints of CUDA tensors are reductions launched on the current stream (`fin
 later in-place updates on that stream cannot race them), and a writer thread waits for their results, formats
 the record and appends it (flushed per record, so a crashed rank leaves a readable prefix up to the last record
 the thread wrote).  CPU tensors are fingerprinted in the caller's thread (numpy), before the loop can change them.
+`CaptureClock` times the capture calls inside the rank (host seconds; CUDA events on the device), so the
+capture's cost is measured where it is paid, not guessed from whole-step wall times.
 
 Two trainers write through it: the megatron trainer (`megatron_trainer.train`) and megatron's own training loop
 (`megatron_trainer.pretrain_hooks`, Megatron-LM's ``pretrain_gpt.py`` unmodified); the reference trainer uses
@@ -26,6 +28,8 @@ import json
 import queue
 import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -83,22 +87,88 @@ class TraceWriter:
         self._f.close()
 
 
+@dataclass
+class StepTiming:
+    """What `CaptureClock.end_step` measured of one step; `fields` gives the step record's timing fields."""
+
+    host_s: float
+    start: "Optional[torch.cuda.Event]" = None
+    end: "Optional[torch.cuda.Event]" = None
+    spans: list = field(default_factory=list)
+
+    def fields(self) -> dict:
+        """``capture_s`` (host seconds inside the capture calls); on CUDA also ``step_device_s`` (device seconds
+        from the step's first event to its last, capture included) and ``capture_device_s`` (device seconds
+        between each capture call's two events, summed: the fingerprint kernels, at the position in the stream
+        where the loop queued them).  Waits for the step's last event (call it where the loop waits anyway, or
+        in a writer thread)."""
+        out = {"capture_s": self.host_s}
+        if self.start is not None and self.end is not None:
+            self.end.synchronize()
+            out["step_device_s"] = self.start.elapsed_time(self.end) / 1e3
+            out["capture_device_s"] = sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+        return out
+
+
+class CaptureClock:
+    """Times a training step and the capture calls inside it, inside the rank: host seconds with
+    ``time.perf_counter`` and, once the process uses CUDA, device seconds between CUDA events recorded on the
+    current stream (``torch.cuda.Event(enable_timing=True)``).  Events cost no synchronisation where they are
+    recorded, so the step runs as it would without them; whole-step wall times, by contrast, carry the noise of
+    everything else the machine does, which is larger than the capture they would measure.
+
+    Usage: ``begin_step()``; ``with capture(): ...`` around each capture call; ``end_step()`` -> `StepTiming`."""
+
+    def __init__(self) -> None:
+        self._host, self._start, self._spans = 0.0, None, []
+
+    @staticmethod
+    def _event():
+        if not torch.cuda.is_initialized():
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin_step(self) -> None:
+        """Start a step: reset the sums, record the step's first event."""
+        self._host, self._spans, self._start = 0.0, [], self._event()
+
+    @contextmanager
+    def capture(self):
+        """Count what runs inside as capture (host time; on CUDA the device time between two events)."""
+        t0, first = time.perf_counter(), self._event()
+        try:
+            yield
+        finally:
+            if first is not None:
+                self._spans.append((first, self._event()))
+            self._host += time.perf_counter() - t0
+
+    @property
+    def host_s(self) -> float:
+        """Host seconds inside capture calls since `begin_step`."""
+        return self._host
+
+    def end_step(self) -> StepTiming:
+        """Record the step's last event; the `StepTiming` resolves the device times later (`StepTiming.fields`)."""
+        return StepTiming(self._host, self._start, self._event(), list(self._spans))
+
+
 class CaptureError(RuntimeError):
     """The capture's writer thread failed (disk full, unwritable directory): raised in the training loop's
     thread at the next call, naming the trace file."""
 
 
 _STOP = object()
+_TIMING = "_timing"          # the pending entry holding the step's `StepTiming`
 
 
 def _timed(method):
-    """Count the host seconds the training loop spends inside a `RankCapture` call (the step's ``capture_s``)."""
+    """Count the time the training loop spends inside a `RankCapture` call as capture (`CaptureClock`)."""
     def timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
+        with self._clock.capture():
             return method(self, *args, **kwargs)
-        finally:
-            self._spent += time.perf_counter() - start
     timed.__name__, timed.__doc__ = method.__name__, method.__doc__
     return timed
 
@@ -135,7 +205,7 @@ class RankCapture:
         self._error: Optional[BaseException] = None
         self._record: Optional[dict] = None
         self._pending: dict = {}
-        self._spent = 0.0
+        self._clock = CaptureClock()
         self._thread = threading.Thread(target=self._drain, name=f"bitparity-capture-{self.path.name}", daemon=True)
         self._thread.start()
         self._put({"type": "header", "format": FORMAT, **header}, {})
@@ -149,7 +219,7 @@ class RankCapture:
     def begin_step(self, step: int) -> None:
         """Open step `step` (0-based, the run's own count)."""
         self._check()
-        self._spent = 0.0
+        self._clock.begin_step()
         self._record, self._pending = {"type": "step", "step": step, "grads": {}, "grad_norm": None,
                                        "clip_coeff": None, "clipped": None, "params": {}, "buffers": {}}, {}
 
@@ -180,13 +250,13 @@ class RankCapture:
         self._step_record().update(fields)
 
     def end_step(self, time_s: float) -> None:
-        """Close the open step (`time_s`: the step's host seconds) and queue it for the writer thread; the record's
-        ``capture_s`` is the host time the loop spent inside this step's capture calls (on CUDA: launching the
-        fingerprint kernels; on CPU: computing them)."""
+        """Close the open step (`time_s`: the step's host seconds) and queue it for the writer thread.  The record
+        gets `StepTiming.fields`: ``capture_s``, the host time the loop spent inside this step's capture calls (on
+        CUDA: launching the fingerprint kernels; on CPU: computing them), and on CUDA ``step_device_s`` /
+        ``capture_device_s`` from CUDA events between `begin_step` and here (resolved by the writer thread)."""
         record = self._step_record()
         record["time_s"] = time_s
-        record["capture_s"] = self._spent           # host seconds inside this step's capture calls
-        self._put(record, self._pending)
+        self._put(record, {**self._pending, _TIMING: self._clock.end_step()})
         self._record, self._pending = None, {}
 
     def close(self) -> None:
@@ -233,7 +303,10 @@ class RankCapture:
             record, pending = item
             try:
                 for part, started in pending.items():
-                    record[part] = _resolved(started)
+                    if part == _TIMING:
+                        record.update(started.fields())
+                    else:
+                        record[part] = _resolved(started)
                 self._writer.write(record)
             except BaseException as e:    # reported in the training loop's thread (CaptureError)
                 self._error = e

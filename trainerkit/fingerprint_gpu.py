@@ -32,7 +32,10 @@ memory-bound for every dtype.  (The former per-element definition, fp64v1, was i
 
 Launch geometry (`DEFAULT`): ``num_warps`` warps; ``wpt`` words per thread per sub-block (SUBW = num_warps * 32
 * wpt words); ``nsub`` sub-blocks per program (BLOCKW = nsub * SUBW words); ``pack`` ("reshape" or "2d"): how
-the strided kernel arranges element loads before packing (a 1-D load reshaped to [SUBW, R], or [SUBW, R]).
+the strided kernel arranges element loads before packing (a 1-D load reshaped to [SUBW, R], or [SUBW, R]);
+``loop`` ("static" or "dynamic", contiguous kernel): the sub-blocks in a loop of constexpr trip count with run-time
+branches inside, or the whole-word ones in a branch-free loop of run-time trip count then one masked sub-block
+(`_words_block_dyn`); ``stages``: Triton's ``num_stages`` for the contiguous kernel.
 
 `fingerprint_many_async` launches without waiting and returns a `PendingFingerprints` (`.result()`,
 `.hex()`): the kernels run on the current stream, in order with the work that produces and later overwrites
@@ -66,8 +69,9 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEFAULT = {"num_warps": 8, "wpt": 4, "nsub": 8, "pack": "reshape"}
+DEFAULT = {"num_warps": 8, "wpt": 4, "nsub": 8, "pack": "reshape", "loop": "static", "stages": 3}
 PACKS = ("reshape", "2d")
+LOOPS = ("static", "dynamic")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GTAB_COLS = 4           # numel, first item, element offset from the launch's base, slot
 _MAX_DIMS = 4
@@ -172,8 +176,39 @@ if HAVE_TRITON:
         return tl.sum(acc, axis=0)
 
     @triton.jit
+    def _words_block_dyn(base, off, numel, w0, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
+                         ALIGN16: tl.constexpr, MIS: tl.constexpr):
+        """`_words_block` with the whole-word sub-blocks in a loop of run-time trip count and no branch inside
+        (so the compiler can keep several sub-blocks' loads in flight), then at most one masked sub-block: the
+        tensor's last < SUBW whole words and its partial word."""
+        R: tl.constexpr = 8 // ESIZE
+        if ALIGN16:
+            off = tl.multiple_of(off, 16 // ESIZE)
+        wp = (base + (off - MIS // ESIZE)).to(tl.pointer_type(tl.uint64))
+        nbytes = numel * ESIZE
+        nfull = numel // R
+        nwords = (numel + R - 1) // R
+        woffs = tl.arange(0, SUBW)
+        acc = tl.zeros([SUBW], dtype=tl.uint64)
+        nsub_full = tl.maximum(tl.minimum(w0 + BLOCKW, nfull) - w0, 0) // SUBW
+        for it in range(0, nsub_full):
+            j = w0 + it * SUBW
+            if ALIGN16:
+                j = tl.multiple_of(j, SUBW)
+            acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs)
+        j = w0 + nsub_full * SUBW
+        if j < tl.minimum(w0 + BLOCKW, nwords):           # <= SUBW words left, the last maybe partial
+            jj = j + woffs
+            m = jj < nwords
+            w = _load_words(wp, jj, m, (jj + 1) * 8 - MIS < nbytes, MIS, True)
+            keep = (tl.full([SUBW], 1, tl.uint64) << ((numel - nfull * R) * 8 * ESIZE).to(tl.uint64)) - 1
+            w = tl.where(jj == nfull, w & keep, w)
+            acc += tl.where(m, _term(w, jj), 0)
+        return tl.sum(acc, axis=0)
+
+    @triton.jit
     def _contig_kernel(base, items, gtab, sums, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
-                       ALIGN16: tl.constexpr, MIS: tl.constexpr):
+                       ALIGN16: tl.constexpr, MIS: tl.constexpr, DYN: tl.constexpr):
         """One program = BLOCKW words of one tensor.  items[pid] = table row; row = numel, first item of the
         tensor, element offset from `base`, accumulator slot.  Every tensor of the launch has its data pointer
         MIS bytes past an 8-byte boundary (ALIGN16: all 16-byte aligned)."""
@@ -181,7 +216,10 @@ if HAVE_TRITON:
         row = gtab + tl.load(items + pid) * 4
         numel = tl.load(row)
         w0 = (pid - tl.load(row + 1)).to(tl.int64) * BLOCKW
-        total = _words_block(base, tl.load(row + 2), numel, w0, BLOCKW, SUBW, ESIZE, ALIGN16, MIS)
+        if DYN:
+            total = _words_block_dyn(base, tl.load(row + 2), numel, w0, BLOCKW, SUBW, ESIZE, ALIGN16, MIS)
+        else:
+            total = _words_block(base, tl.load(row + 2), numel, w0, BLOCKW, SUBW, ESIZE, ALIGN16, MIS)
         # int64 atomic add wraps mod 2^64 exactly like the uint64 sum
         tl.atomic_add(sums + tl.load(row + 3), total.to(tl.int64, bitcast=True), sem="relaxed")
 
@@ -304,8 +342,11 @@ def _cfg(overrides: dict) -> dict:
             cfg[k] = v
     if cfg["pack"] not in PACKS:
         raise ValueError(f"pack must be one of {PACKS}")
-    if cfg["num_warps"] not in (1, 2, 4, 8, 16, 32) or cfg["nsub"] < 1 or cfg["wpt"] not in (1, 2, 4, 8):
-        raise ValueError("num_warps must be a power of two <= 32, wpt 1, 2, 4 or 8, nsub >= 1")
+    if cfg["loop"] not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}")
+    if cfg["num_warps"] not in (1, 2, 4, 8, 16, 32) or cfg["nsub"] < 1 or cfg["wpt"] not in (1, 2, 4, 8, 16) \
+            or cfg["stages"] not in (1, 2, 3, 4, 5):
+        raise ValueError("num_warps must be a power of two <= 32, wpt 1, 2, 4, 8 or 16, nsub >= 1, stages 1-5")
     return cfg
 
 
@@ -355,7 +396,8 @@ def _launch(tensors: list, cfg: dict) -> "tuple[torch.Tensor, _Plan, list]":
             _, base, esize, (align16, mis), subw, blockw, row0, item0, nitems = launch
             _contig_kernel[(nitems,)](
                 tensors[base].detach().view(_INT_VIEW[esize]), items[item0:], table[row0 * _GTAB_COLS:], sums,
-                BLOCKW=blockw, SUBW=subw, ESIZE=esize, ALIGN16=align16, MIS=mis, num_warps=nw)
+                BLOCKW=blockw, SUBW=subw, ESIZE=esize, ALIGN16=align16, MIS=mis, DYN=cfg["loop"] == "dynamic",
+                num_warps=nw, num_stages=cfg["stages"])
     return sums, plan, tensors
 
 

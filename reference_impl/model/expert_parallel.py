@@ -240,9 +240,13 @@ def plan_dispatch(index: torch.Tensor, num_experts: int, ep: Optional[ExpertPara
     counts = torch.stack([torch.bincount(row, minlength=num_experts) for row in per_src])     # [EP, E]
     order = torch.argsort(per_src[rank], stable=True)
     el = num_experts // size
-    local = counts[:, rank * el:(rank + 1) * el]                                              # [EP, El]
-    return DispatchPlan(order=order, counts=counts, in_splits=counts[rank].view(size, el).sum(1).tolist(),
-                        out_splits=local.sum(1).tolist(), local_counts=local.tolist(),
+    # the split sizes are host integers (tensor.split, all_to_all): one device-to-host read of the [EP, E]
+    # counts, the rest is integer arithmetic on the host (on CUDA each read is a wait for the device)
+    host = counts.tolist()
+    local = [row[rank * el:(rank + 1) * el] for row in host]                                  # [EP][El]
+    return DispatchPlan(order=order, counts=counts,
+                        in_splits=[sum(host[rank][j * el:(j + 1) * el]) for j in range(size)],
+                        out_splits=[sum(row) for row in local], local_counts=local,
                         shuffle_sources=shuffle_sources and size > 1)
 
 
