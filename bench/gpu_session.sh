@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# One device session for the GPU issue, run on the H200 machine from the repo root with the pydantic wheels
-# carried in .whl (the device image has everything else): fingerprint kernel tests and benchmark, capture
-# overhead; then (second call, `bash bench/gpu_session.sh dsv3`) the DeepSeek-V3 layouts of cases/dsv3-gpu.yaml.
-# Outputs go to $OUT.
+# Device sessions for the GPU benchmarks, run on the H200 machine from the repo root with the pydantic wheels
+# carried in .whl (the device image has everything else).  Outputs go to $OUT.
+#
+#   bash bench/gpu_session.sh           fingerprint kernel tests; fingerprint vs torch.sum (bench_fingerprint_gpu);
+#                                       capture / step inside the rank with CUDA events (bench_gpu_capture, ~1.35B
+#                                       parameters); where a dsv3-gpu P = 1 step's time goes (profile_rank, 1 step)
+#   bash bench/gpu_session.sh dsv3 ...  cases/dsv3-gpu.yaml in full (extra args go to bitparity verify); the summary
+#                                       with every run's time to $OUT/dsv3-gpu-summary.json
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "cpus", __import__("os").cpu_count())'
 if [ "${1:-}" = dsv3 ]; then
     shift
-    timeout 560 python3 -m harness verify cases/dsv3-gpu.yaml --out /tmp/rep "$@" 2>&1 | grep -v "^ \|^\["
+    start=$(date +%s)
+    timeout ${DSV3_TIMEOUT:-570} python3 -m harness verify cases/dsv3-gpu.yaml --out /tmp/rep "$@" > "$OUT/dsv3-gpu.log" 2>&1
+    echo "verify exit $? after $(( $(date +%s) - start )) s"
+    grep -v "^      collecting" "$OUT/dsv3-gpu.log" | tail -40
     cp /tmp/rep/dsv3-gpu/summary.json "$OUT/dsv3-gpu-summary.json" 2>/dev/null
     exit 0
 fi
-echo "== fingerprint kernel tests"; timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fingerprint_gpu.py 2>&1 | tail -3
-echo "== fingerprint benchmark"; timeout 200 python3 bench/bench_fingerprint_gpu.py --quick --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -40
-echo "== capture overhead"; timeout 450 python3 bench/bench_gpu_capture.py --steps 6 --repeats 2 --out "$OUT/gpu_capture.json" 2>&1 | tail -4
+echo "== fingerprint benchmark"; timeout 150 python3 bench/bench_fingerprint_gpu.py --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -45
+echo "== capture inside the rank"; timeout 200 python3 bench/bench_gpu_capture.py --steps 5 --out "$OUT/gpu_capture.json" 2>&1 | tail -8
+echo "== profile: dsv3-gpu pp1, one step"; timeout 130 python3 bench/profile_rank.py cases/dsv3-gpu.yaml pp1-no-pipelining --steps 1 --out "$OUT" --rows 30 > "$OUT/profile_pp1.txt" 2>&1; echo "exit $?"; head -c 3000 "$OUT/profile_pp1.txt"
+echo "== fingerprint kernel tests"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fingerprint_gpu.py 2>&1 | tail -3
