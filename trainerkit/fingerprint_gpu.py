@@ -69,7 +69,7 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEFAULT = {"num_warps": 8, "wpt": 4, "nsub": 8, "pack": "reshape", "loop": "static", "stages": 3}
+DEFAULT = {"num_warps": 4, "wpt": 8, "nsub": 8, "pack": "reshape", "loop": "dynamic", "stages": 3}
 PACKS = ("reshape", "2d")
 LOOPS = ("static", "dynamic")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
