@@ -146,6 +146,19 @@ if HAVE_TRITON:
         return lo
 
     @triton.jit
+    def _tail_terms(wp, jj, numel, SUBW: tl.constexpr, ESIZE: tl.constexpr, MIS: tl.constexpr):
+        """Terms of words jj [SUBW] that reach the tensor's end: words past it count 0, the partial last word keeps
+        only the tensor's bytes, and no load touches an aligned word that holds none of them."""
+        R: tl.constexpr = 8 // ESIZE
+        nfull = numel // R
+        nwords = (numel + R - 1) // R
+        m = jj < nwords
+        w = _load_words(wp, jj, m, (jj + 1) * 8 - MIS < numel * ESIZE, MIS, True)
+        keep = (tl.full([SUBW], 1, tl.uint64) << ((numel - nfull * R) * 8 * ESIZE).to(tl.uint64)) - 1
+        w = tl.where(jj == nfull, w & keep, w)
+        return tl.where(m, _term(w, jj), 0)
+
+    @triton.jit
     def _words_block(base, off, numel, w0, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
                      ALIGN16: tl.constexpr, MIS: tl.constexpr):
         """Sum of the terms of words [w0, w0 + BLOCKW) of a contiguous tensor at element offset `off` from
@@ -154,7 +167,6 @@ if HAVE_TRITON:
         if ALIGN16:
             off = tl.multiple_of(off, 16 // ESIZE)
         wp = (base + (off - MIS // ESIZE)).to(tl.pointer_type(tl.uint64))
-        nbytes = numel * ESIZE
         nfull = numel // R                                # whole words; a partial one follows if numel % R
         nwords = (numel + R - 1) // R
         woffs = tl.arange(0, SUBW)
@@ -167,12 +179,7 @@ if HAVE_TRITON:
             if j + SUBW <= nfull:                         # whole words: every load is inside the tensor
                 acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs)
             elif j < nwords:                              # < SUBW whole words + the partial one
-                jj = j + woffs
-                m = jj < nwords
-                w = _load_words(wp, jj, m, (jj + 1) * 8 - MIS < nbytes, MIS, True)
-                keep = (tl.full([SUBW], 1, tl.uint64) << ((numel - nfull * R) * 8 * ESIZE).to(tl.uint64)) - 1
-                w = tl.where(jj == nfull, w & keep, w)
-                acc += tl.where(m, _term(w, jj), 0)
+                acc += _tail_terms(wp, j + woffs, numel, SUBW, ESIZE, MIS)
         return tl.sum(acc, axis=0)
 
     @triton.jit
@@ -185,7 +192,6 @@ if HAVE_TRITON:
         if ALIGN16:
             off = tl.multiple_of(off, 16 // ESIZE)
         wp = (base + (off - MIS // ESIZE)).to(tl.pointer_type(tl.uint64))
-        nbytes = numel * ESIZE
         nfull = numel // R
         nwords = (numel + R - 1) // R
         woffs = tl.arange(0, SUBW)
@@ -198,12 +204,7 @@ if HAVE_TRITON:
             acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs)
         j = w0 + nsub_full * SUBW
         if j < tl.minimum(w0 + BLOCKW, nwords):           # <= SUBW words left, the last maybe partial
-            jj = j + woffs
-            m = jj < nwords
-            w = _load_words(wp, jj, m, (jj + 1) * 8 - MIS < nbytes, MIS, True)
-            keep = (tl.full([SUBW], 1, tl.uint64) << ((numel - nfull * R) * 8 * ESIZE).to(tl.uint64)) - 1
-            w = tl.where(jj == nfull, w & keep, w)
-            acc += tl.where(m, _term(w, jj), 0)
+            acc += _tail_terms(wp, j + woffs, numel, SUBW, ESIZE, MIS)
         return tl.sum(acc, axis=0)
 
     @triton.jit
