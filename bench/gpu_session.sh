@@ -2,9 +2,9 @@
 # Device sessions for the GPU benchmarks, run on the H200 machine from the repo root with the pydantic wheels
 # carried in .whl (the device image has everything else).  Outputs go to $OUT.
 #
-#   bash bench/gpu_session.sh           fingerprint kernel tests; fingerprint vs torch.sum (bench_fingerprint_gpu);
-#                                       capture / step inside the rank with CUDA events (bench_gpu_capture, ~1.35B
-#                                       parameters); where a dsv3-gpu P = 1 step's time goes (profile_rank, 1 step)
+#   bash bench/gpu_session.sh           fingerprint vs torch.sum (bench_fingerprint_gpu); capture / step inside the
+#                                       rank with CUDA events (bench_gpu_capture, ~1.35B parameters); where a dsv3-gpu
+#                                       P = 1 step's time goes (profile_rank, 1 step); the fingerprint kernel tests
 #   bash bench/gpu_session.sh dsv3 ...  cases/dsv3-gpu.yaml in full (extra args go to bitparity verify); the summary
 #                                       with every run's time to $OUT/dsv3-gpu-summary.json
 set -u
@@ -15,11 +15,13 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 if [ "${1:-}" = dsv3 ]; then
     shift
     start=$(date +%s)
+    # the whole case takes ~14 min on one H200 (over the device's 10-minute call): select runs with --only
     timeout ${DSV3_TIMEOUT:-570} python3 -m harness verify cases/dsv3-gpu.yaml --out /tmp/rep "$@" > "$OUT/dsv3-gpu.log" 2>&1
-    echo "verify exit $? after $(( $(date +%s) - start )) s"
+    rc=$?
+    echo "verify exit $rc after $(( $(date +%s) - start )) s"
     grep -v "^      collecting" "$OUT/dsv3-gpu.log" | tail -40
     cp /tmp/rep/dsv3-gpu/summary.json "$OUT/dsv3-gpu-summary.json" 2>/dev/null
-    exit 0
+    exit $rc
 fi
 echo "== fingerprint benchmark"; timeout 150 python3 bench/bench_fingerprint_gpu.py --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -45
 echo "== capture inside the rank"; timeout 200 python3 bench/bench_gpu_capture.py --steps 5 --out "$OUT/gpu_capture.json" 2>&1 | tail -8

@@ -148,6 +148,11 @@ def _verify(args, argv) -> int:
     from .arithmetic import cpu_family
     if args.train_iters is not None and not 1 <= args.train_iters <= MAX_TRAIN_ITERS:
         raise UsageError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS}")
+    # flags checked before anything is loaded or made (--write-golden makes its directory)
+    if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
+        raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
+    if args.jobs is not None and not 1 <= args.jobs <= 1024:
+        raise UsageError(f"--jobs {args.jobs}: expected a number of runs from 1 to 1024")
     for flag, value in (("--golden", args.golden), ("--write-golden", args.write_golden)):
         if value is not None and not value.strip():
             raise UsageError(f"{flag}: empty path")
@@ -185,10 +190,6 @@ def _verify(args, argv) -> int:
         key = golden.key_for(plan)
         golden.check_writable(Path(args.write_golden), plan.name, bool(args.only), key, cpu_family())
         goldens = golden.GoldenRequest(Path(args.write_golden), True, key)
-    if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
-        raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
-    if args.jobs is not None and not 1 <= args.jobs <= 1024:
-        raise UsageError(f"--jobs {args.jobs}: expected a number of runs from 1 to 1024")
     with _out_errors(args.out):
         result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
                         launcher=args.launcher, evidence_all=args.evidence, goldens=goldens, jobs=args.jobs)

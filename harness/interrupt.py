@@ -9,8 +9,19 @@ before raising, and the harness's waiting loops call `check`, which raises it ag
 from __future__ import annotations
 
 import signal
+import sys
 
 _received: int | None = None        # the signal number, once one arrived
+_installed = False                  # this process is the harness and handles the signals
+
+
+def in_rank_process() -> bool:
+    """True in a process multiprocessing started for the harness (its forkserver, a rank): they import the
+    console script again (the forkserver's and spawn's main-module fix-up) but are not the harness, so they must
+    neither take over its signals nor print its "interrupted" line (a rank stopped while it still starts would
+    otherwise write that line to the harness's terminal a second time)."""
+    return "multiprocessing.forkserver" in sys.modules or "multiprocessing.spawn" in sys.modules and \
+        sys.modules["multiprocessing"].current_process().name != "MainProcess"
 
 
 def _on_signal(signum, frame):
@@ -22,10 +33,20 @@ def _on_signal(signum, frame):
 def install() -> None:
     """Handle SIGINT and SIGTERM in this (the harness's main) thread.  SIGINT keeps SIG_IGN if it was
     ignored on entry (started with ``nohup`` or in the background by a shell without job control).
-    Idempotent."""
+    Idempotent.  Does nothing in a process multiprocessing started (`in_rank_process`), which is decided at the
+    first call (the harness imports multiprocessing's forkserver itself later on)."""
+    global _installed
+    if _installed or in_rank_process():
+        return
+    _installed = True
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+
+
+def installed() -> bool:
+    """Whether `install` took the signals in this process (the harness; not its forkserver or ranks)."""
+    return _installed
 
 
 def check() -> None:

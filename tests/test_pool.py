@@ -80,3 +80,17 @@ def test_verify_side_by_side_gives_the_bits_of_one_by_one(tmp_path, cli):
         assert compare(a, b).bitwise_equal and a.init == b.init, name
     assert [v["verdict"] for v in summary["variants"]] == \
         [v["verdict"] for v in json.loads((outs[None] / "summary.json").read_text())["variants"]]
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--jobs", "0"], "--jobs 0: expected a number of runs from 1 to 1024"),
+    (["--jobs", "1025"], "--jobs 1025"),
+    (["--timeout", "0"], "--timeout must be a positive number"),
+])
+def test_bad_flags_refused_before_anything_is_made(tmp_path, cli, flags, words):
+    """A bad --jobs / --timeout is one line, exit 2, and nothing is made: not the report, not the directory that
+    --write-golden would create."""
+    proc = cli("verify", "cases/smoke.yaml", "--out", tmp_path / "out", *flags, "--write-golden", tmp_path / "g" / "a")
+    assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "g").exists() and not (tmp_path / "out").exists()
