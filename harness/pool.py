@@ -45,9 +45,10 @@ def run_packed(items: Sequence[T], weight: Callable[[T], int], body: Callable[[T
         ValueError: jobs or budget < 1."""
     if jobs < 1 or budget < 1:
         raise ValueError(f"jobs {jobs} and budget {budget} must be >= 1")
-    results: dict[int, R] = {}
     if jobs == 1:
         return [body(item) for item in items]
+    weights = [min(weight(item), budget) for item in items]
+    results: dict[int, R] = {}
     pending = list(range(len(items)))
     running: dict[Future, tuple[int, int]] = {}
     error: list[BaseException] = []
@@ -56,13 +57,12 @@ def run_packed(items: Sequence[T], weight: Callable[[T], int], body: Callable[[T
             while (pending and not error) or running:
                 used = sum(w for _, w in running.values())
                 while pending and not error and len(running) < jobs:
-                    fits = next((i for i in pending if used + min(weight(items[i]), budget) <= budget), None)
+                    fits = next((i for i in pending if used + weights[i] <= budget), None)
                     if fits is None:
                         break
                     pending.remove(fits)
-                    w = min(weight(items[fits]), budget)
-                    running[pool.submit(body, items[fits])] = (fits, w)
-                    used += w
+                    running[pool.submit(body, items[fits])] = (fits, weights[fits])
+                    used += weights[fits]
                 done, _ = wait(list(running), timeout=1.0, return_when=FIRST_COMPLETED)
                 interrupt.check()
                 for f in done:

@@ -56,40 +56,20 @@ def raw_bits(t: torch.Tensor) -> np.ndarray:
     return bits.astype(np.uint64)
 
 
-def raw_words(t: torch.Tensor) -> np.ndarray:
-    """The C-order raw bytes of `t` (any device, any strides), zero-padded to a multiple of 8, as little-endian
-    uint64 words: the w_j of the definition.  Shape [ceil(numel * element_size / 8)]."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-    padded = np.zeros(-(-raw.size // 8) * 8, dtype=np.uint8)
-    padded[:raw.size] = raw
-    return padded.view("<u8").astype(np.uint64)
-
-
 def fingerprint(t: torch.Tensor) -> int:
     """64-bit fingerprint of tensor `t` (definition ``fp64v2`` in the module docstring); returns a Python int.
 
     Works for any dtype of element size 1, 2, 4 or 8 bytes and any shape (0 elements included).
     Raises TypeError for other element sizes (complex128 ...).
     """
-    if t.element_size() not in _BITS_VIEW:
-        raise TypeError(f"fingerprint: unsupported element size {t.element_size()} bytes ({t.dtype})")
-    w = raw_words(t)
-    with np.errstate(over="ignore"):
-        idx = np.arange(1, w.size + 1, dtype=np.uint64)
-        s = _mix(w ^ _mix(idx)).sum(dtype=np.uint64) if w.size else np.uint64(0)
-        out = _mix(np.array([s ^ _mix(np.array([_header(t.dtype, tuple(t.shape))]))[0]], dtype=np.uint64))[0]
-    return int(out)
+    return fingerprints([t])[0]
 
 
 def fingerprints(tensors: list) -> list[int]:
     """`fingerprint` of each tensor (any devices; non-CPU ones are copied here), computed in one pass: the words
     of all tensors in one array, the word index j restarting at each tensor, the per-tensor sums by
     ``np.add.reduceat`` (wrapping uint64, the same order-free sum), so a list of thousands of small parameters
-    costs a few numpy calls instead of a dozen each.  Equal to ``[fingerprint(t) for t in tensors]`` bit for
-    bit: the same integer operations on the same words.
+    costs a few numpy calls instead of a dozen each; `fingerprint` is this on a list of one.
 
     Raises TypeError for an unsupported element size (as `fingerprint`)."""
     if not tensors:
