@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import multiprocessing.connection
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,27 @@ _CTX = mp.get_context("forkserver")
 # the launch entry point of each trainer: a module with rank_main(...) (forkserver) and main() (torchrun -m)
 WORKERS = {"reference": "reference_impl.worker", "megatron-core": "megatron_trainer.worker"}
 _CTX.set_forkserver_preload([WORKERS["reference"]])
+# Runs go side by side in threads (harness.pool).  A forkserver child's exit status is read from its sentinel
+# once, by whichever poll() comes first, and Process.start() polls *every* child of the process (multiprocessing's
+# _cleanup): two threads polling one child race for those bytes and the loser records 255 (seen as "rank 3 exited
+# with code 0" from fuzz runs two at a time).  So every start / poll / join of a rank process holds this lock;
+# waiting for a rank to end (its sentinel) does not.
+_CHILDREN = threading.Lock()
+
+
+def _exitcode(p) -> Optional[int]:
+    """`p.exitcode` under `_CHILDREN` (None while it runs)."""
+    with _CHILDREN:
+        return p.exitcode
+
+
+def _reap(p, timeout: Optional[float] = None) -> bool:
+    """Wait up to `timeout` s (None: for ever) for rank process `p` to end, then join it; True when it ended."""
+    if not mp.connection.wait([p.sentinel], timeout):
+        return False
+    with _CHILDREN:
+        p.join()
+    return True
 
 
 def preload(configs) -> None:
@@ -92,11 +114,11 @@ def _root_cause(procs, first: int, run_dir: Path) -> str:
     """Error text of the rank that failed on its own: peers of a crashed rank fail too ("Connection closed
     by peer"), sometimes sooner; wait a moment and prefer a rank whose last log line is not such a symptom."""
     time.sleep(0.5)
-    failed = [first] + [r for r, p in enumerate(procs) if r != first and p.exitcode not in (None, 0)]
+    failed = [first] + [r for r, p in enumerate(procs) if r != first and _exitcode(p) not in (None, 0)]
     logs = {r: tail(run_dir / f"rank{r}.log") for r in failed}
     last = {r: (logs[r].strip().splitlines() or ["(empty log)"])[-1] for r in failed}
     r = next((r for r in failed if not any(v in last[r] for v in _VICTIM)), first)
-    code = procs[r].exitcode
+    code = _exitcode(procs[r])
     # the watchdog has not killed anything yet: a SIGKILL now came from outside, usually the OOM killer
     why = " (SIGKILL from outside the harness: most likely out of memory; see dmesg)" if code == -signal.SIGKILL else ""
     return f"rank {r} exited with code {code}{why}: {last[r]}\nlast lines of rank{r}.log:\n{logs[r]}"
@@ -105,14 +127,15 @@ def _root_cause(procs, first: int, run_dir: Path) -> str:
 def _stop(procs) -> None:
     procs = [p for p in procs if p.pid is not None]     # started ones only
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        with _CHILDREN:
+            if p.is_alive():
+                p.terminate()
     deadline = time.monotonic() + 5
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
+        if not _reap(p, max(0.0, deadline - time.monotonic())):
+            with _CHILDREN:
+                p.kill()
+            _reap(p)
 
 
 # how a rank fails when another rank died first: the collective or p2p it waited in breaks
@@ -231,8 +254,9 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "
                           name=f"bitparity-rank{r}", daemon=True) for r in range(world)]
     error = None
     try:
-        for p in procs:
-            p.start()
+        with _CHILDREN:
+            for p in procs:
+                p.start()
         pending = {p.sentinel: r for r, p in enumerate(procs)}
         while pending and error is None:
             interrupt.check()
@@ -244,8 +268,8 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "
                 break
             for sentinel in mp.connection.wait(list(pending), timeout=min(left, 1.0)):
                 r = pending.pop(sentinel)
-                procs[r].join()
-                code = procs[r].exitcode
+                _reap(procs[r])
+                code = _exitcode(procs[r])
                 if code != 0:
                     error = _root_cause(procs, r, run_dir)
                     break
