@@ -1,7 +1,12 @@
 """Benchmark: per-layout cost of the forkserver runner (what `verify` and `fuzz` use) against the plain
 multi-process launch (torchrun: fresh interpreters, torch imported per rank), measured side by side in one
-run on the same smoke layouts; then a timed `bitparity fuzz` for layouts/minute (goal >= 20/min, i.e.
->= 200 layouts per 10 minutes on 2 cores)."""
+run on the same smoke layouts; then timed `bitparity fuzz` runs for layouts/minute, one layout at a time
+(``--jobs 1``) and side by side (the default, one per core), alternated, same seed and budget, so that machine
+noise (+-15-30 % from one minute to the next on a shared 2-core box) falls on both; the rows go to
+``bench/results/fuzz_cpu.json``."""
+import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -18,6 +23,7 @@ from harness.trace import merge  # noqa: E402
 
 LAYOUTS = [("Ett|ttmL", 2), ("Et|tt|tm|L", 4), ("Et|tt|t|mL", 2), ("E|t|t|t|t||m|L", 4), ("Etttt|m|L", 3),
            ("E|tt|tt|mL", 4)]
+ROUNDS, BUDGET = 2, "60s"           # timed fuzz runs per --jobs setting, alternated
 
 
 def measure(launcher: str, tmp: Path) -> list[tuple[float, float]]:
@@ -46,11 +52,30 @@ def main() -> None:
     fork, plain = (statistics.median(w for w, _ in res[k]) for k in ("fork", "torchrun"))
     print(f"median wall per layout: fork {fork:.2f} s, torchrun {plain:.2f} s -> {plain / fork:.1f}x faster; "
           f"{60 / fork:.0f} vs {60 / plain:.0f} layouts/min")
+    rows = [fuzz_rate(jobs) for _ in range(ROUNDS) for jobs in (1, None)]
+    for row in rows:
+        print(f"bitparity fuzz --jobs {row['jobs'] or 'default'}, {BUDGET} budget: {row['layouts']} layouts "
+              f"= {row['per_minute']:.0f}/min")
+    one, packed = (statistics.median(r["per_minute"] for r in rows if r["jobs"] == j) for j in (1, None))
+    print(f"fuzz: side by side {packed:.0f}/min vs one at a time {one:.0f}/min -> {packed / one:.2f}x")
+    out = ROOT / "bench" / "results" / "fuzz_cpu.json"
+    out.write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
+                                           "cores": len(os.sched_getaffinity(0))},
+                               "case": "cases/smoke.yaml", "budget": BUDGET, "seed": 0, "runs": rows,
+                               "median_per_minute": {"jobs_1": one, "default": packed}}, indent=1) + "\n")
+
+
+def fuzz_rate(jobs) -> dict:
+    """One timed `bitparity fuzz cases/smoke.yaml` (seed 0): {jobs, layouts, per_minute}; jobs None: default."""
     with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.run([sys.executable, "-m", "harness", "fuzz", "cases/smoke.yaml", "--budget", "60s",
-                               "--seed", "0", "--out", out], cwd=ROOT, capture_output=True, text=True)
-    line = next((l for l in proc.stdout.splitlines() if "layouts/min" in l), proc.stderr.strip())
-    print(f"bitparity fuzz, 60 s budget: {line}")
+        proc = subprocess.run([sys.executable, "-m", "harness", "fuzz", "cases/smoke.yaml", "--budget", BUDGET,
+                               "--seed", "0", "--out", out] + ([] if jobs is None else ["--jobs", str(jobs)]),
+                              cwd=ROOT, capture_output=True, text=True)
+    line = next((l for l in proc.stdout.splitlines() if "layouts/min" in l), None)
+    if line is None:
+        sys.exit(f"bench: fuzz --jobs {jobs} failed: {proc.stderr.strip() or proc.stdout[-500:]}")
+    return {"jobs": jobs, "layouts": int(line.split("tried ")[1].split()[0]),
+            "per_minute": float(line.split("= ")[1].split()[0])}
 
 
 if __name__ == "__main__":

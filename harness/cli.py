@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     fz.add_argument("--max-pp", type=int, default=4, help="largest pipeline_model_parallel_size drawn")
     fz.add_argument("--max-vpp", type=int, default=2, help="largest virtual stages per rank drawn")
     fz.add_argument("--reductions", choices=("megatron", "canonical"), help="override the case's reduction mode")
+    fz.add_argument("--jobs", type=int, metavar="N", help="run at most N layouts at once (default: one per CPU core "
+                    "of this process; 1: one after another)")
     fz.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)
     lay = sub.add_parser("layout", help="layout tools").add_subparsers(dest="action", required=True,
                                                                           parser_class=_Parser)
@@ -151,8 +153,7 @@ def _verify(args, argv) -> int:
     # flags checked before anything is loaded or made (--write-golden makes its directory)
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
-    if args.jobs is not None and not 1 <= args.jobs <= 1024:
-        raise UsageError(f"--jobs {args.jobs}: expected a number of runs from 1 to 1024")
+    _check_jobs(args.jobs)
     for flag, value in (("--golden", args.golden), ("--write-golden", args.write_golden)):
         if value is not None and not value.strip():
             raise UsageError(f"{flag}: empty path")
@@ -253,6 +254,11 @@ def _compare(args, argv) -> int:
     return 0 if result.all_pass else 1
 
 
+def _check_jobs(jobs) -> None:
+    if jobs is not None and not 1 <= jobs <= 1024:
+        raise UsageError(f"--jobs {jobs}: expected a number of runs from 1 to 1024")
+
+
 def _fuzz(args, argv) -> int:
     from .cases import load_case
     from .fuzz import fuzz, parse_budget
@@ -265,6 +271,7 @@ def _fuzz(args, argv) -> int:
                          "--max-vpp in 1..64")
     if args.max_layouts is not None and not 1 <= args.max_layouts <= 100_000:
         raise UsageError(f"--max-layouts {args.max_layouts}: use 1..100000")
+    _check_jobs(args.jobs)
     plan = load_case(args.case, overrides={"training": {"reductions": args.reductions}} if args.reductions else None)
     if args.inject is not None:                 # a fault of the case's trainer
         problem = trainers.problem(plan.runs[0].config.model_copy(update={"inject": args.inject}))
@@ -273,7 +280,7 @@ def _fuzz(args, argv) -> int:
     out = Path(args.out)
     with _out_errors(args.out):
         res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp,
-                   max_layouts=args.max_layouts)
+                   max_layouts=args.max_layouts, jobs=args.jobs)
     print(f"{plan.name}: tried {res.tried} layouts ({len(res.grids)} distinct stage grids) in {res.elapsed_s:.0f} s "
           f"= {res.per_minute:.1f} layouts/min; {res.compute_s / max(res.tried, 1):.2f} s per layout")
     if res.failure is None and res.tried == 0:      # nothing was verified: not a pass

@@ -5,12 +5,22 @@ runner as `verify`, by the case's trainer: ours or megatron-core), compared bit 
 trace.  With megatron-core, a layout megatron's own validator refuses is drawn again, not counted.  On the first layout that differs
 (or errors), hypothesis shrinks it toward the simplest layout that still fails; the minimal one is written as
 a ready-to-run case YAML and verified into its own report.
+
+Throughput: the runs of a small case are bound by latency (rank start-up, rendezvous, pipeline hand-offs), not by
+the cores, so fuzz runs `jobs` layouts at once (default: one per core; on 2 cores, `cases/smoke.yaml`: 138
+layouts/min one at a time, 190 two at a time, 163 three at a time).  Hypothesis stays sequential: each batch is
+first drawn without running anything, its new layouts then run side by side (`harness.pool.run_packed`), and
+only a batch in which one differs is replayed under the same seed, every layout answering from what was measured,
+so hypothesis meets the failure where it drew it and shrinks it (the shrinking runs one layout at a time).
+Bitwise: every run is its own processes; running two at once moves no bit (`harness.pool`).
 """
 from __future__ import annotations
 
+import itertools
 import random
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +37,7 @@ from trainerkit.schedule import ScheduleError, check_sizes
 from .cases import CasePlan
 from .compare import compare
 from .trace import first_nonfinite
-from . import bounds
+from . import bounds, pool
 from .errors import UsageError
 from . import trainers
 from .runner import preload, run_ranks
@@ -77,11 +87,15 @@ def parse_budget(text: str) -> float:
 
 
 def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[int] = None,
-         inject: Optional[str] = None, max_pp: int = 4, max_vpp: int = 2, batch: int = 10,
-         progress: Callable[[str], None] = print, max_layouts: Optional[int] = None) -> FuzzResult:
+         inject: Optional[str] = None, max_pp: int = 4, max_vpp: int = 2, batch: Optional[int] = None,
+         progress: Callable[[str], None] = print, max_layouts: Optional[int] = None,
+         jobs: Optional[int] = None) -> FuzzResult:
     """Fuzz `plan`'s model for `budget_s` seconds or until `max_layouts` layouts ran, whichever comes first (see
     module docstring); `inject` plants a fault in every generated run (never the baseline).  A failure found
-    is shrunk within half the budget again, whatever `max_layouts`.
+    is shrunk within half the budget again, whatever `max_layouts`.  `jobs`: layouts run at once (default: this
+    process's CPU cores, `harness.pool.cores`); `batch`: examples hypothesis draws at a time (default 10 per job);
+    `tried` counts distinct layouts run (a layout hypothesis draws again
+    answers from the first run).
 
     With ``reductions: megatron`` and MTP, P=1 is not drawn: it accumulates the embedding's two uses per
     microbatch and is expected to differ (see reference_impl/reductions.py); ``canonical`` draws P >= 1."""
@@ -91,6 +105,8 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
         raise UsageError(f"{plan.path}: fuzz draws layouts (P, V) at data_parallel_size 1; the baseline "
                          f"{plan.runs[0].spec.name!r} has data_parallel_size {base_cfg.parallel.data_parallel_size}, "
                          "whose global batch no drawn layout would share: fuzz a baseline without it")
+    jobs = jobs or pool.cores()
+    batch = batch or 10 * jobs          # examples per hypothesis batch: each batch ends in a wait for its slowest run
     min_pp = 2 if t.reductions == "megatron" and model.mtp_num_layers else 1
     if max_pp < min_pp:
         raise UsageError(f"--max-pp {max_pp}: megatron reductions need P >= 2 (P=1 differs by design)")
@@ -110,13 +126,14 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
             raise UsageError(f"baseline {plan.runs[0].spec.name!r} is not finite ({broken}): fuzz compares layouts "
                              "with a baseline that trains")
         state = {"last": None, "shrinking": False}
+        known: dict[tuple[str, int], Optional[str]] = {}     # (layout, P) -> why it differs; None: bitwise equal
+        shown: set = set()                  # failing layouts already printed
+        lock = threading.Lock()
+        serial = itertools.count()          # next() is atomic under the GIL: a distinct directory per run
 
-        def check(example) -> None:
+        def config(example):
+            """The run of a drawn (layout, P), or hypothesis' reject() for one that cannot or must not run."""
             text, pp = example
-            if time.monotonic() > deadline + (budget_s * 0.5 if state["shrinking"] else 0):
-                return                              # out of time: stop exploring (and shrinking)
-            if not state["shrinking"] and max_layouts is not None and result.tried >= max_layouts:
-                return
             layout = PipelineLayout.from_string(text, pp, model.num_layers, model.mtp_num_layers)
             try:
                 check_sizes(pp, layout.virtual_pipeline_model_parallel_size, t.num_microbatches)
@@ -127,12 +144,14 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
                 pipeline_model_parallel_layout=text, pipeline_model_parallel_size=pp)})
             if cfg.trainer != "reference" and trainers.megatron_config_problem(cfg):
                 reject()                  # megatron's own validator refuses it: not a run, not a finding
-            run_dir = work / f"run{result.tried}"
+            return cfg, layout.stages
+
+        def run_one(example, cfg, stages) -> Optional[str]:
+            """Run one layout and compare it with the baseline: why it differs, or None (bitwise equal)."""
+            text, pp = example
+            run_dir = work / f"run{next(serial)}"
             t0 = time.monotonic()
             out = run_ranks(cfg, run_dir, plan.spec.timeout_s)
-            result.compute_s += time.monotonic() - t0
-            result.tried += 1
-            result.grids.add((pp, layout.stages))
             why = None
             if not out.ok:
                 why = f"error: {out.error.splitlines()[0]}"
@@ -150,25 +169,71 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
                 except TraceError as e:
                     why = f"trace error: {e}"
             shutil.rmtree(run_dir, ignore_errors=True)
+            with lock:
+                result.compute_s += time.monotonic() - t0
+                result.tried += 1
+                result.grids.add((pp, stages))
+                known[example] = why
+            return why
+
+        def out_of_layouts() -> bool:
+            return max_layouts is not None and result.tried >= max_layouts
+
+        def check(drawn_example) -> None:
+            """Hypothesis' test: a layout already run answers from `known`; a new one runs now (while shrinking,
+            or when a batch is replayed) unless the budget or --max-layouts is spent."""
+            example = tuple(drawn_example)
+            cfg, stages = config(example)
+            if example in known:
+                why = known[example]
+            elif time.monotonic() > deadline + (budget_s * 0.5 if state["shrinking"] else 0) or (
+                    not state["shrinking"] and out_of_layouts()):
+                return                              # out of time: stop exploring (and shrinking)
+            else:
+                why = run_one(example, cfg, stages)
             if why:
                 state["shrinking"] = True
-                state["last"] = {"layout": text, "pp": pp, "why": why}
-                progress(f"  differs: {text} (P={pp}): {why}")
+                state["last"] = {"layout": example[0], "pp": example[1], "why": why}
+                if example not in shown:            # hypothesis may try it again while shrinking
+                    shown.add(example)
+                    progress(f"  differs: {example[0]} (P={example[1]}): {why}")
                 raise _Differs(why)
 
         strategy = layouts(model.num_layers, model.mtp_num_layers,
                            pp=_sizes(min_pp, max_pp), vpp=_sizes(1, max_vpp))
-        while time.monotonic() < deadline and state["last"] is None and (
-                max_layouts is None or result.tried < max_layouts):
-            test = settings(max_examples=batch, deadline=None, database=None, derandomize=False,
-                            suppress_health_check=list(HealthCheck),
-                            phases=[Phase.generate, Phase.shrink])(given(strategy)(check))
-            try:
-                seed(rng.getrandbits(64))(test)()
-            except _Differs:
+
+        while time.monotonic() < deadline and state["last"] is None and not out_of_layouts():
+            batch_seed = rng.getrandbits(64)
+            # 1. draw the batch hypothesis would try (nothing runs), 2. run its new layouts `jobs` at a time,
+            # 3. only if one differs, replay the batch sequentially under the same seed: every layout answers from
+            # `known`, so hypothesis meets the same examples in the same order and shrinks the first failure
+            drawn: list = []
+
+            def draw(drawn_example) -> None:
+                example = tuple(drawn_example)
+                config(example)                     # the same rejections as `check`, so the same draws
+                if example not in known and example not in drawn:
+                    drawn.append(example)
+            _hypothesis(draw, strategy, batch, batch_seed, shrink=False)
+            if max_layouts is not None:
+                drawn = drawn[:max(0, max_layouts - result.tried)]
+
+            def body(example):
+                if time.monotonic() > deadline:
+                    return None                     # the budget ended while this one waited: not run
+                return run_one(example, *config(example))
+            pool.run_packed(drawn, lambda _: 1, body, jobs, jobs)
+            if any(known.get(example) for example in drawn):
+                try:
+                    _hypothesis(check, strategy, batch, batch_seed, shrink=True)
+                except _Differs:
+                    pass
+                except Flaky:   # a failing layout that no longer fails when shrinking re-runs it (out of time, or
+                    pass        # a hang that timed out once): the failure recorded first stands
+                if state["last"] is None:           # the replay did not meet it (hypothesis drew otherwise)
+                    first = next(example for example in drawn if known.get(example))
+                    state["last"] = {"layout": first[0], "pp": first[1], "why": known[first]}
                 break
-            except Flaky:       # a failing layout that no longer fails when shrinking re-runs it (out of time, or a
-                break           # hang that timed out once): the failure recorded first stands
             progress(f"  {result.tried} layouts, {len(result.grids)} distinct grids, "
                      f"{60 * result.tried / (time.monotonic() - start):.0f}/min")
         result.failure = state["last"]
@@ -178,6 +243,15 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def _hypothesis(test, strategy, batch: int, batch_seed: int, shrink: bool) -> None:
+    """Run `test` on up to `batch` examples of `strategy` drawn from `batch_seed` (the same seed draws the same
+    examples while the test answers the same); `shrink`: minimise a failing example (hypothesis' shrink phase)."""
+    phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
+    runner = settings(max_examples=batch, deadline=None, database=None, derandomize=False,
+                      suppress_health_check=list(HealthCheck), phases=phases)(given(strategy)(test))
+    seed(batch_seed)(runner)()
 
 
 def _sizes(low: int, high: int):
