@@ -6,7 +6,6 @@ noise (+-15-30 % from one minute to the next on a shared 2-core box) falls on bo
 ``bench/results/fuzz_cpu.json``."""
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.arithmetic import cpu_model  # noqa: E402
 from harness.cases import load_case  # noqa: E402
 from harness.runner import run_ranks  # noqa: E402
 from harness.trace import merge  # noqa: E402
@@ -59,8 +59,7 @@ def main() -> None:
     one, packed = (statistics.median(r["per_minute"] for r in rows if r["jobs"] == j) for j in (1, None))
     print(f"fuzz: side by side {packed:.0f}/min vs one at a time {one:.0f}/min -> {packed / one:.2f}x")
     out = ROOT / "bench" / "results" / "fuzz_cpu.json"
-    out.write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
-                                           "cores": len(os.sched_getaffinity(0))},
+    out.write_text(json.dumps({"machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0))},
                                "case": "cases/smoke.yaml", "budget": BUDGET, "seed": 0, "runs": rows,
                                "median_per_minute": {"jobs_1": one, "default": packed}}, indent=1) + "\n")
 
