@@ -47,9 +47,11 @@ def test_random_layouts_canonical_with_clipping(tmp_path):
     case = tmp_path / "clip.yaml"
     case.write_text((ROOT / "cases" / "smoke.yaml").read_text().replace(
         "  num_microbatches: 4\n", "  num_microbatches: 4\n  clip_grad: 0.05\n  reductions: canonical\n"))
-    proc = run_cli("fuzz", case, "--budget", "15s", "--seed", "5", "--out", tmp_path)
+    # a count, not a time budget (a 15 s budget once went on the baseline alone, beside a loaded test run)
+    proc = run_cli("fuzz", case, "--budget", "10m", "--max-layouts", "8", "--seed", "5", "--out", tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no layout differed from the baseline" in proc.stdout
+    assert int(proc.stdout.split("tried ")[1].split()[0]) == 8
 
 
 def test_the_minimal_case_keeps_the_whole_computation(tmp_path):
