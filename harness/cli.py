@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import signal
 import sys
@@ -19,7 +20,8 @@ from .errors import UsageError
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):          # argparse's own usage errors: one line, exit 2
-        raise UsageError(f"{self.prog}: {message}")
+        command = self.prog.removeprefix("bitparity").strip()     # main() prints "bitparity: error: " first
+        raise UsageError(f"{command}: {message}" if command else message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -261,14 +263,15 @@ def _check_jobs(jobs) -> None:
 
 def _fuzz(args, argv) -> int:
     from .cases import load_case
-    from .fuzz import fuzz, parse_budget
+    from .fuzz import check_out, fuzz, minimal_case_path, parse_budget, write_minimal_case
     from .verify import verify
     budget = parse_budget(args.budget)
     if args.seed is not None and not 0 <= args.seed < 2 ** 64:
         raise UsageError(f"--seed {args.seed}: use an integer in 0..2^64-1")
-    if not (1 <= args.max_pp <= bounds.MAX_WORLD_SIZE and 1 <= args.max_vpp <= 64):
-        raise UsageError(f"--max-pp must be in 1..{bounds.MAX_WORLD_SIZE} (rank processes on this machine) and "
-                         "--max-vpp in 1..64")
+    if not 1 <= args.max_pp <= bounds.MAX_WORLD_SIZE:
+        raise UsageError(f"--max-pp {args.max_pp}: use 1..{bounds.MAX_WORLD_SIZE} (rank processes on this machine)")
+    if not 1 <= args.max_vpp <= 64:
+        raise UsageError(f"--max-vpp {args.max_vpp}: use 1..64")
     if args.max_layouts is not None and not 1 <= args.max_layouts <= 100_000:
         raise UsageError(f"--max-layouts {args.max_layouts}: use 1..100000")
     _check_jobs(args.jobs)
@@ -277,24 +280,37 @@ def _fuzz(args, argv) -> int:
         problem = trainers.problem(plan.runs[0].config.model_copy(update={"inject": args.inject}))
         if problem:
             raise UsageError(f"--inject {args.inject}: {problem}")
+    if not args.out.strip():
+        raise UsageError("--out: empty path")
     out = Path(args.out)
+    made_out = not os.path.lexists(out)
     with _out_errors(args.out):
+        check_out(plan, out)        # now, not after the search: what it writes on a failure must be writable
         res = fuzz(plan, out, budget, args.seed, args.inject, args.max_pp, args.max_vpp,
                    max_layouts=args.max_layouts, jobs=args.jobs)
     print(f"{plan.name}: tried {res.tried} layouts ({len(res.grids)} distinct stage grids) in {res.elapsed_s:.0f} s "
-          f"= {res.per_minute:.1f} layouts/min; {res.compute_s / max(res.tried, 1):.2f} s per layout")
+          f"= {res.per_minute:.1f} layouts/min; a layout's run took {res.compute_s / max(res.tried, 1):.2f} s "
+          f"on average, {res.jobs} at a time")
     if res.failure is None and res.tried == 0:      # nothing was verified: not a pass
-        raise UsageError(f"--budget {args.budget}: no layout could be tried in it (the baseline alone took "
-                         f"{res.elapsed_s:.0f} s); give a longer budget")
+        raise UsageError(f"--budget {args.budget}: no layout ran within it ({res.elapsed_s:.0f} s went on the "
+                         "baseline and on drawing layouts); give a longer budget")
     if res.failure is None:
         print("no layout differed from the baseline")
         return 0
     print(f"minimal failing layout: {res.failure['layout']} (P={res.failure['pp']}): {res.failure['why']}")
-    print(f"case: {res.minimal_case}")
-    mplan = load_case(res.minimal_case)
-    with _out_errors(args.out):
-        verify(mplan, out, command="bitparity " + shlex.join(["verify", str(res.minimal_case)]))
-    print(f"report: {out / mplan.name / 'index.html'}")
+    case = minimal_case_path(plan, out)
+    try:
+        with _out_errors(args.out):
+            write_minimal_case(plan, res.failure, out, args.inject)
+            print(f"case: {case}", flush=True)
+            verify(load_case(case), out, command="bitparity " + shlex.join(["verify", str(case)]))
+    except BaseException:           # interrupted (or failed) before its report: nothing written, as promised
+        case.unlink(missing_ok=True)
+        if made_out:
+            with contextlib.suppress(OSError):      # only if empty: a report may have landed meanwhile
+                out.rmdir()
+        raise
+    print(f"report: {out / case.stem / 'index.html'}")
     return 1
 
 

@@ -7,16 +7,19 @@ trace.  With megatron-core, a layout megatron's own validator refuses is drawn a
 a ready-to-run case YAML and verified into its own report.
 
 Throughput: the runs of a small case are bound by latency (rank start-up, rendezvous, pipeline hand-offs), not by
-the cores, so fuzz runs `jobs` layouts at once (default: one per core; on 2 cores, `cases/smoke.yaml`: 138
-layouts/min one at a time, 190 two at a time, 163 three at a time).  Hypothesis stays sequential: each batch is
-first drawn without running anything, its new layouts then run side by side (`harness.pool.run_packed`), and
-only a batch in which one differs is replayed under the same seed, every layout answering from what was measured,
-so hypothesis meets the failure where it drew it and shrinks it (the shrinking runs one layout at a time).
-Bitwise: every run is its own processes; running two at once moves no bit (`harness.pool`).
+the cores, so fuzz runs `jobs` layouts at once (default: one per core; on 2 cores, `cases/smoke.yaml`: ~95
+layouts/min one at a time, ~137 two at a time, three no better; bench/results/fuzz_cpu.json).  Hypothesis stays
+sequential: each batch of `BATCH` examples is first drawn without running anything, its new layouts then run side
+by side (`harness.pool.run_packed`), and only a batch in which one differs is replayed under the same seed, every
+layout answering from what was measured, so hypothesis meets the failure where it drew it and shrinks it (the
+shrinking runs one layout at a time).  The batches do not depend on `jobs`: one seed draws the same layouts, and
+finds the same minimal one, whatever `jobs` (the time budget aside).  Bitwise: every run is its own processes;
+running two at once moves no bit (`harness.pool`).
 """
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import shutil
 import tempfile
@@ -37,7 +40,7 @@ from trainerkit.schedule import ScheduleError, check_sizes
 from .cases import CasePlan
 from .compare import compare
 from .trace import first_nonfinite
-from . import bounds, pool
+from . import bounds, outdir, pool
 from .errors import UsageError
 from . import trainers
 from .runner import preload, run_ranks
@@ -46,6 +49,10 @@ from .trace import TraceError, merge
 
 
 MAX_BUDGET_S = 7 * 86_400.0
+# examples hypothesis draws per batch: each batch ends in a wait for its slowest run, and its drawing costs
+# a few ms an example before anything runs; a constant, so that a seed means the same layouts on every machine
+BATCH = 24
+CASE_HEADER = "# Written by bitparity fuzz"
 
 
 class _Differs(AssertionError):
@@ -55,14 +62,14 @@ class _Differs(AssertionError):
 @dataclass
 class FuzzResult:
     """What a fuzz session did: layouts tried, distinct (P, stage grid) pairs, wall and in-run seconds, and the
-    minimal failing layout with the case file written for it (None when nothing differed)."""
+    minimal failing layout (None when nothing differed; `write_minimal_case` writes its case file)."""
 
     tried: int = 0
     grids: set = field(default_factory=set)
     elapsed_s: float = 0.0
     compute_s: float = 0.0                     # time inside runs (startup + training)
     failure: Optional[dict] = None             # {layout, pp, why} of the minimal failing layout
-    minimal_case: Optional[Path] = None
+    jobs: int = 1                              # layouts run at once
 
     @property
     def per_minute(self) -> float:
@@ -87,13 +94,13 @@ def parse_budget(text: str) -> float:
 
 
 def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[int] = None,
-         inject: Optional[str] = None, max_pp: int = 4, max_vpp: int = 2, batch: Optional[int] = None,
+         inject: Optional[str] = None, max_pp: int = 4, max_vpp: int = 2, batch: int = BATCH,
          progress: Callable[[str], None] = print, max_layouts: Optional[int] = None,
          jobs: Optional[int] = None) -> FuzzResult:
     """Fuzz `plan`'s model for `budget_s` seconds or until `max_layouts` layouts ran, whichever comes first (see
     module docstring); `inject` plants a fault in every generated run (never the baseline).  A failure found
     is shrunk within half the budget again, whatever `max_layouts`.  `jobs`: layouts run at once (default: this
-    process's CPU cores, `harness.pool.cores`); `batch`: examples hypothesis draws at a time (default 10 per job);
+    process's CPU cores, `harness.pool.cores`); `batch`: examples hypothesis draws at a time;
     `tried` counts distinct layouts run (a layout hypothesis draws again
     answers from the first run).
 
@@ -106,12 +113,11 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
                          f"{plan.runs[0].spec.name!r} has data_parallel_size {base_cfg.parallel.data_parallel_size}, "
                          "whose global batch no drawn layout would share: fuzz a baseline without it")
     jobs = jobs or pool.cores()
-    batch = batch or 10 * jobs          # examples per hypothesis batch: each batch ends in a wait for its slowest run
     min_pp = 2 if t.reductions == "megatron" and model.mtp_num_layers else 1
     if max_pp < min_pp:
         raise UsageError(f"--max-pp {max_pp}: megatron reductions need P >= 2 (P=1 differs by design)")
     rng = random.Random(seed_value)
-    result = FuzzResult()
+    result = FuzzResult(jobs=jobs)
     start = time.monotonic()
     deadline = start + budget_s
     work = Path(tempfile.mkdtemp(prefix=f"bitparity-fuzz-{plan.name}-"))
@@ -238,8 +244,6 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
                      f"{60 * result.tried / (time.monotonic() - start):.0f}/min")
         result.failure = state["last"]
         result.elapsed_s = time.monotonic() - start
-        if result.failure:
-            result.minimal_case = write_minimal_case(plan, result.failure, out_root, inject)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return result
@@ -259,6 +263,27 @@ def _sizes(low: int, high: int):
     return st.integers(low, high)
 
 
+def minimal_case_path(plan: CasePlan, out_root: Path) -> Path:
+    """Where `write_minimal_case` writes: ``OUT/<case>-fuzz-minimal.yaml`` (its report: ``OUT/<case>-fuzz-minimal/``)."""
+    return out_root / f"{plan.name}-fuzz-minimal.yaml"
+
+
+def check_out(plan: CasePlan, out_root: Path) -> None:
+    """Before the search: raises UsageError, writing nothing, when the minimal case and its report could not be
+    written under `out_root` (`outdir.check`), or the case file's path holds something fuzz did not write."""
+    path = minimal_case_path(plan, out_root)
+    outdir.check(out_root, path.stem)
+    if os.path.lexists(path):
+        try:
+            with open(path, "rb") as f:
+                ours = path.is_file() and not path.is_symlink() and f.read(len(CASE_HEADER)) == CASE_HEADER.encode()
+        except OSError:
+            ours = False
+        if not ours:
+            raise UsageError(f"{path} exists and was not written by bitparity fuzz; not replacing it: move it "
+                             "away or choose another --out")
+
+
 def write_minimal_case(plan: CasePlan, failure: dict, out_root: Path, inject: Optional[str]) -> Path:
     """A ready-to-run case: the original model/training/baseline plus the minimal failing layout."""
     spec = plan.spec
@@ -273,7 +298,7 @@ def write_minimal_case(plan: CasePlan, failure: dict, out_root: Path, inject: Op
             "variants": [{"name": "minimal", "pipeline_model_parallel_layout": failure["layout"],
                           "pipeline_model_parallel_size": failure["pp"], "expect": "bitwise",
                           **({"inject": inject} if inject else {})}]}
-    path = out_root / f"{plan.name}-fuzz-minimal.yaml"
+    path = minimal_case_path(plan, out_root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# Written by bitparity fuzz: {failure['why']}\n" + yaml.safe_dump(case, sort_keys=False))
+    path.write_text(f"{CASE_HEADER}: {failure['why']}\n" + yaml.safe_dump(case, sort_keys=False))
     return path

@@ -46,6 +46,21 @@ def _ours(path: Path, legacy_ok: bool = False) -> bool:
     return isinstance(summary, dict) and summary.get("case") == path.name and "variants" in summary
 
 
+def check(out_root: Path, case: str) -> None:
+    """Raises UsageError, writing nothing, when a report of `case` could not be written under `out_root`: the
+    nearest existing ancestor of `out_root` is not a directory or not writable, or `_check` refuses.  For
+    commands that write a report only after a long search (`bitparity fuzz`)."""
+    ancestor = Path(os.path.abspath(out_root))
+    while not os.path.lexists(ancestor):
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"--out {out_root}: not a directory" + ("" if ancestor == Path(os.path.abspath(out_root))
+                                                                 else f" ({ancestor})"))
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out_root}: permission denied ({ancestor})")
+    _check(out_root, case)
+
+
 def _check(out_root: Path, case: str) -> None:
     """Raises UsageError if --out is not a directory or a path bitparity would replace is not its own."""
     if out_root.exists() and not out_root.is_dir():

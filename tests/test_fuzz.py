@@ -1,6 +1,9 @@
 """`bitparity fuzz`: random valid layouts stay bitwise equal to the baseline; a planted fault that only some
 layouts trigger is found and shrunk to the minimal layout, written as a ready-to-run case."""
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -36,6 +39,39 @@ def test_planted_layout_dependent_fault_is_found_and_shrunk(tmp_path, jobs):
     assert "m" in stages and len(stages) == 3 and minimal["pipeline_model_parallel_size"] == 3
     summary = json.loads((tmp_path / "smoke-fuzz-minimal" / "summary.json").read_text())
     assert [v["verdict"] for v in summary["variants"]] == ["pass", "fail"]
+
+
+def test_a_seed_draws_the_same_layouts_whatever_jobs(tmp_path):
+    """The batches hypothesis draws do not depend on --jobs: one seed, one set of layouts, on any machine."""
+    from harness.cases import load_case
+    from harness.fuzz import fuzz
+    plan = load_case(ROOT / "cases" / "smoke.yaml")
+    grids = [fuzz(plan, tmp_path / str(jobs), 600, 11, max_layouts=12, jobs=jobs, progress=lambda _: None).grids
+             for jobs in (1, 2)]
+    assert len(grids[0]) >= 6 and grids[0] == grids[1]
+
+
+def test_interrupted_while_reporting_the_minimal_case_writes_nothing(tmp_path):
+    """Ctrl-C after the search, while the minimal case is verified into its report: one line, exit 2, and
+    neither the case file nor the --out directory fuzz made is left."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "harness", "fuzz", ROOT / "cases" / "smoke.yaml", "--budget",
+                             "5m", "--max-layouts", "200", "--seed", "2", "--inject", "renorm_when_mtp_alone",
+                             "--out", out], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in iter(proc.stdout.readline, ""):
+            seen.append(line)
+            if line.startswith("case:"):                # the case is written, its report still to come
+                break
+        assert seen[-1].startswith("case:") and proc.poll() is None, "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 2 and err.strip() == "bitparity: interrupted", err
+    assert not out.exists()
 
 
 def test_bad_budget(tmp_path):

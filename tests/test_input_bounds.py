@@ -170,6 +170,32 @@ def test_cli_timeout_and_budget_bounds(tmp_path, capsys):
     assert "--max-pp" in _one_line_error(capsys, out, "fuzz", case, "--out", out, "--max-pp", "100000")
     for n in ("0", "-3", "1000000"):
         assert "--max-layouts" in _one_line_error(capsys, out, "fuzz", case, "--out", out, "--max-layouts", n)
+    assert "--max-vpp 0:" in _one_line_error(capsys, out, "fuzz", case, "--out", out, "--max-vpp", "0")
+    for n in ("0", "-1", "100000"):
+        assert f"--jobs {n}:" in _one_line_error(capsys, out, "fuzz", case, "--out", out, "--jobs", n)
+    # argparse's own errors name the command once: "bitparity: error: fuzz: argument --jobs: ..."
+    assert _one_line_error(capsys, out, "fuzz", case, "--out", out, "--jobs", "abc").startswith(
+        "bitparity: error: fuzz: argument --jobs")
+
+
+def test_fuzz_refuses_an_unwritable_out_before_searching(tmp_path, capsys):
+    """fuzz writes only when a layout differs, after minutes of search: --out is checked first, nothing runs."""
+    case = tmp_path / "case.yaml"
+    case.write_text(CASE)
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    for out, words in ((afile / "sub", "not a directory"), (afile, "not a directory")):
+        assert words in _one_line_error(capsys, tmp_path / "unused", "fuzz", case, "--out", out, "--budget", "10m",
+                                        "--max-layouts", "1")
+    assert afile.read_text() == "mine\n"
+    assert "--out: empty path" in _one_line_error(capsys, tmp_path / "none", "fuzz", case, "--out", "")
+    out = tmp_path / "out"
+    out.mkdir()
+    occupied = out / "t-fuzz-minimal.yaml"          # where a minimal case of CASE (name: t) would go
+    occupied.write_text("a file of the user's\n")
+    rc, lines = _cli(capsys, "fuzz", case, "--out", out, "--budget", "10m", "--max-layouts", "1")
+    assert rc == 2 and len(lines) == 1 and "not written by bitparity fuzz" in lines[0], lines
+    assert occupied.read_text() == "a file of the user's\n"
 
 
 # --- 3. bombs --------------------------------------------------------------------------------------------------
