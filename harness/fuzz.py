@@ -7,8 +7,8 @@ trace.  With megatron-core, a layout megatron's own validator refuses is drawn a
 a ready-to-run case YAML and verified into its own report.
 
 Throughput: the runs of a small case are bound by latency (rank start-up, rendezvous, pipeline hand-offs), not by
-the cores, so fuzz runs `jobs` layouts at once (default: one per core; on 2 cores, `cases/smoke.yaml`: ~95
-layouts/min one at a time, ~137 two at a time, three no better; bench/results/fuzz_cpu.json).  Hypothesis stays
+the cores, so fuzz runs `jobs` layouts at once (default: one per core; on 2 cores, `cases/smoke.yaml`: ~95-115
+layouts/min one at a time, ~135-150 two at a time, three no better; bench/results/fuzz_cpu.json).  Hypothesis stays
 sequential: each batch of `BATCH` examples is first drawn without running anything, its new layouts then run side
 by side (`harness.pool.run_packed`), and only a batch in which one differs is replayed under the same seed, every
 layout answering from what was measured, so hypothesis meets the failure where it drew it and shrinks it (the
