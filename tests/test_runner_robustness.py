@@ -161,6 +161,9 @@ def test_no_process_outlives_a_killed_harness(tmp_path, launcher, sig):
             time.sleep(0.2)
         tree = set(descendants(harness.pid))
         assert set(_rank_pids(tmp_path / "out")) <= tree
+        # ranks carry their names where ps / top / pgrep show them
+        names = {Path(f"/proc/{p}/comm").read_text().strip() for p in _rank_pids(tmp_path / "out")}
+        assert names == {"bitparity-r0", "bitparity-r1"}, names
         harness.send_signal(sig)
         # generous: the harness reaps its ranks before exiting, slower on a loaded 2-core machine (a reap check,
         # not a timing target)

@@ -23,6 +23,7 @@ from typing import TextIO
 PARENT_AT_IMPORT = os.getppid()         # torchrun worker: the torchrun agent; forkserver: the harness
 IMPORTED_BY = os.getpid()               # forkserver ranks inherit this: the forkserver, i.e. their parent
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 # loaded once here: die_with_parent also runs between fork and exec (the runner's torchrun preexec_fn)
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -73,10 +74,13 @@ def enter_rank(rank: int, run_dir: str, forked: bool) -> TextIO:
     """First thing a rank does: die with the forkserver (`forked`: started by the runner's forkserver, not
     torchrun), send stdout/stderr to ``RUN_DIR/rank{r}.log`` (an uncaught exception leaves its traceback there)
     and dump every thread's Python stack there on SIGUSR1 (the watchdog asks before killing a hung rank).
+    The process is named ``bitparity-r{rank}`` (``ps``, ``top``, ``pgrep bitparity``; Linux only).
     Returns the log file.  Exits quietly (code 1) if the run directory is gone: the harness was interrupted
     and removed it, so there is nothing to report to."""
     if forked and IMPORTED_BY != os.getpid():
         die_with_parent(IMPORTED_BY)
+    if _LIBC is not None:       # prctl(PR_SET_NAME): the kernel keeps 15 bytes; a failure only loses the name
+        _LIBC.prctl(_PR_SET_NAME, f"bitparity-r{rank}".encode()[:15], 0, 0, 0)
     try:
         log = open(Path(run_dir) / f"rank{rank}.log", "w", buffering=1)
     except FileNotFoundError:
