@@ -100,9 +100,8 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
     """Fuzz `plan`'s model for `budget_s` seconds or until `max_layouts` layouts ran, whichever comes first (see
     module docstring); `inject` plants a fault in every generated run (never the baseline).  A failure found
     is shrunk within half the budget again, whatever `max_layouts`.  `jobs`: layouts run at once (default: this
-    process's CPU cores, `harness.pool.cores`); `batch`: examples hypothesis draws at a time;
-    `tried` counts distinct layouts run (a layout hypothesis draws again
-    answers from the first run).
+    process's CPU cores, `harness.pool.cores`); `batch`: examples hypothesis draws at a time; `tried` counts
+    distinct layouts run (a layout hypothesis draws again answers from the first run).
 
     With ``reductions: megatron`` and MTP, P=1 is not drawn: it accumulates the embedding's two uses per
     microbatch and is expected to differ (see reference_impl/reductions.py); ``canonical`` draws P >= 1."""
@@ -213,23 +212,24 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
             # 1. draw the batch hypothesis would try (nothing runs), 2. run its new layouts `jobs` at a time,
             # 3. only if one differs, replay the batch sequentially under the same seed: every layout answers from
             # `known`, so hypothesis meets the same examples in the same order and shrinks the first failure
-            drawn: list = []
+            drawn: dict = {}                        # new example -> (its run config, stages), in draw order
 
             def draw(drawn_example) -> None:
                 example = tuple(drawn_example)
-                config(example)                     # the same rejections as `check`, so the same draws
-                if example not in known and example not in drawn:
-                    drawn.append(example)
+                made = config(example)              # the same rejections as `check`, so the same draws
+                if example not in known:
+                    drawn.setdefault(example, made)
             _hypothesis(draw, strategy, batch, batch_seed, shrink=False)
+            todo = list(drawn)
             if max_layouts is not None:
-                drawn = drawn[:max(0, max_layouts - result.tried)]
+                todo = todo[:max(0, max_layouts - result.tried)]
 
             def body(example):
                 if time.monotonic() > deadline:
                     return None                     # the budget ended while this one waited: not run
-                return run_one(example, *config(example))
-            pool.run_packed(drawn, lambda _: 1, body, jobs, jobs)
-            if any(known.get(example) for example in drawn):
+                return run_one(example, *drawn[example])
+            pool.run_packed(todo, lambda _: 1, body, jobs, jobs)
+            if any(known.get(example) for example in todo):
                 try:
                     _hypothesis(check, strategy, batch, batch_seed, shrink=True)
                 except _Differs:
@@ -237,7 +237,7 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
                 except Flaky:   # a failing layout that no longer fails when shrinking re-runs it (out of time, or
                     pass        # a hang that timed out once): the failure recorded first stands
                 if state["last"] is None:           # the replay did not meet it (hypothesis drew otherwise)
-                    first = next(example for example in drawn if known.get(example))
+                    first = next(example for example in todo if known.get(example))
                     state["last"] = {"layout": first[0], "pp": first[1], "why": known[first]}
                 break
             progress(f"  {result.tried} layouts, {len(result.grids)} distinct grids, "
