@@ -11,6 +11,7 @@
   replicas whose records differ fail the trace merge; bad EP sizes are one-line usage errors.
 """
 import json
+import math
 import multiprocessing as mp
 import shutil
 import textwrap
@@ -24,7 +25,7 @@ from harness.trace import TraceError, merge
 from trainerkit import names
 from trainerkit.config import ModelConfig
 from trainerkit.init import init_parameters
-from reference_impl.model.expert_parallel import ExpertParallel, plan_dispatch, sort_chunks, unsort_chunks
+from reference_impl.model.expert_parallel import ExpertParallel, expert_counts, plan_dispatch, sort_chunks, unsort_chunks
 from reference_impl.model.moe import MoELayer
 from test_cli_errors import _check_usage_error
 
@@ -69,6 +70,46 @@ def test_every_expert_gets_ep1_rows_in_ep1_order(ep_size, seed):
         assert [x.squeeze(1).long().tolist() for x in inputs] == [x.tolist() for x in expected]
         assert all(x.is_contiguous() for x in inputs)
         assert torch.equal(unsort_chunks(inputs, plan), received)             # unsort inverts sort
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (64,), (4, 16), (2, 3, 5)])
+def test_expert_counts_equal_bincount(shape):
+    index = torch.randint(0, 8, shape, generator=torch.Generator().manual_seed(len(shape)))
+    if index.numel():
+        index.view(-1)[0] = 7                       # the last expert used, so a missing column would show
+    got = expert_counts(index, 8)
+    assert got.dtype == torch.int64 and got.shape == shape[:-1] + (8,)
+    rows = index.reshape(math.prod(shape[:-1]), shape[-1])
+    want = torch.stack([torch.bincount(r, minlength=8) for r in rows])
+    assert torch.equal(got.reshape(-1, 8), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_moe_layer_reads_the_device_once_per_forward_and_never_in_backward():
+    """The MoE path's one host read is the split sizes (Megatron's SequentialMLP reads them too); counting the
+    tokens per expert (bias update, dispatch plan) stays on the device.  torch.cuda's sync debug mode warns at
+    every synchronising call."""
+    import warnings
+    cfg = ModelConfig(**CFG)
+    layer = MoELayer(cfg).cuda()
+    init_parameters(layer, cfg, 5)
+    x = torch.randn(16, 2, cfg.hidden_size, device="cuda", requires_grad=True)
+    layer(x).sum().backward()                     # warm-up: lazy CUDA / cuBLAS initialisation
+    torch.cuda.synchronize()
+
+    def syncs(fn):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return out, sum("synchroniz" in str(w.message) for w in caught)
+
+    out, forward = syncs(lambda: layer(x))
+    _, backward = syncs(lambda: out.sum().backward())
+    assert (forward, backward) == (1, 0)
 
 
 def test_planted_unsorted_dispatch_reorders_rows_only_with_ep():

@@ -226,6 +226,19 @@ class DispatchPlan:
         return inv
 
 
+def expert_counts(index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows routed to each expert: index [..., m] int64 expert ids in [0, E) -> counts [..., E] int64, counted
+    over the last dim (``torch.bincount`` per row, Megatron's ``tokens_per_expert``).
+
+    Integer sums of a comparison, so exact in any order, and free of host synchronisation: on CUDA
+    ``torch.bincount`` (and ``one_hot``) read the index's min and max back to the host to size or check their
+    output, a wait for the device at every MoE layer and microbatch.  Memory: one bool per (row, expert),
+    m x E per leading index.  Ids outside [0, E) are not counted (bincount would raise; the router never makes
+    them)."""
+    experts = torch.arange(num_experts, device=index.device)
+    return (index.unsqueeze(-1) == experts).sum(-2)
+
+
 def plan_dispatch(index: torch.Tensor, num_experts: int, ep: Optional[ExpertParallel],
                   shuffle_sources: bool = False) -> DispatchPlan:
     """`DispatchPlan` of this EP rank from the full top-k index [T, K] (identical on every EP rank).
@@ -237,7 +250,7 @@ def plan_dispatch(index: torch.Tensor, num_experts: int, ep: Optional[ExpertPara
     t, k = index.shape
     n = t // size
     per_src = index.reshape(size, n * k)
-    counts = torch.stack([torch.bincount(row, minlength=num_experts) for row in per_src])     # [EP, E]
+    counts = expert_counts(per_src, num_experts)                                               # [EP, E]
     order = torch.argsort(per_src[rank], stable=True)
     el = num_experts // size
     # the split sizes are host integers (tensor.split, all_to_all): one device-to-host read of the [EP, E]

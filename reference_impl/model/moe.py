@@ -15,8 +15,8 @@ from torch import nn
 
 from trainerkit.config import ModelConfig
 from .common import LossAutoScaler, SwiGLUMLP, fanout
-from .expert_parallel import (ExpertParallel, RepeatRows, all_to_all, gather_shards, plan_dispatch, sort_chunks,
-                              take_shard, unsort_chunks)
+from .expert_parallel import (ExpertParallel, RepeatRows, all_to_all, expert_counts, gather_shards, plan_dispatch,
+                              sort_chunks, take_shard, unsort_chunks)
 
 
 def _sort_stable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +99,7 @@ class Router(nn.Module):
         select = scores.detach() + self.expert_bias if cfg.moe_router_enable_expert_bias else scores.detach()
         index, ties = group_limited_topk(select, cfg)
         with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(index.reshape(-1), minlength=cfg.num_moe_experts)
+            self.tokens_per_expert += expert_counts(index.reshape(-1), cfg.num_moe_experts)
             self.tied_tokens += ties
         return scores, index
 
