@@ -159,12 +159,12 @@ def sweep(results: dict) -> dict:
     (element-load path)."""
     best = {}
     rows = []
-    # DEFAULT, then the multiply-high shifts (`fingerprint_gpu.SHIFTS`: the integer ALU pipe is the kernel's
-    # ceiling, the multiply-add pipe is idle but for the two 64-bit multiplies) at a few geometries
-    geometries = [{}, {"shift": "imad-index"}, {"shift": "imad"}, {"shift": "imad-index", "wpt": 16},
-                  {"shift": "imad", "wpt": 16}, {"shift": "imad", "nsub": 16}, {"shift": "imad", "num_warps": 8},
-                  {"shift": "imad", "stages": 1}, {"shift": "imad-index", "num_warps": 8, "wpt": 4},
-                  {"wpt": 16}, {"nsub": 16}, {"loop": "static"}]
+    geometries = [{}, {"wpt": 8}, {"nsub": 16}, {"num_warps": 4}, {"pack": "2d"}, {"stages": 1},
+                  {"loop": "dynamic"}, {"loop": "dynamic", "wpt": 8}, {"loop": "dynamic", "nsub": 16},
+                  {"loop": "dynamic", "nsub": 32}, {"loop": "dynamic", "wpt": 8, "nsub": 16},
+                  {"loop": "dynamic", "num_warps": 4, "wpt": 8}, {"loop": "dynamic", "num_warps": 4, "wpt": 16},
+                  {"loop": "dynamic", "stages": 1}, {"loop": "dynamic", "wpt": 8, "stages": 1},
+                  {"loop": "dynamic", "num_warps": 16, "wpt": 4}]
     for label, dtype, shift in (("fp32", torch.float32, 0), ("bf16", torch.bfloat16, 0),
                                 ("bf16 odd address", torch.bfloat16, 1)):
         t = random_tensor(SIZES["sweep"] + 2 * shift, dtype, seed=1)[shift:]

@@ -31,11 +31,11 @@ try:
         tl.store(out, tl.sum(tl.arange(0, 4), axis=0))
 
     @triton.jit
-    def _probe_term(out, words, first, N: tl.constexpr, SHIFT: tl.constexpr):
+    def _probe_term(out, words, first, N: tl.constexpr):
         """Store the kernels' term mix(w ^ mix(j + 1)) for words w at indices j = first + offs."""
         offs = tl.arange(0, N)
         w = tl.load(words + offs).to(tl.uint64, bitcast=True)
-        tl.store(out + offs, fg._term(w, first + offs.to(tl.int64), SHIFT).to(tl.int64, bitcast=True))
+        tl.store(out + offs, fg._term(w, first + offs.to(tl.int64)).to(tl.int64, bitcast=True))
 
     if not HAS_CUDA:   # the interpreter only works if triton itself was first imported with TRITON_INTERPRET=1
         try:
@@ -106,9 +106,8 @@ def test_matches_cpu_definition(dtype, size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("pack,loop,shift", [(p, "static", "alu") for p in fg.PACKS] + [("reshape", "dynamic", "alu"),
-                                                                                      ("2d", "dynamic", "imad")])
-def test_every_alignment_class_and_pack_agrees(pack, loop, shift, dtype):
+@pytest.mark.parametrize("pack,loop", [(p, "static") for p in fg.PACKS] + [("reshape", "dynamic")])
+def test_every_alignment_class_and_pack_agrees(pack, loop, dtype):
     """Every alignment class (offset views of one buffer: 16-byte aligned, 8-byte aligned, and each
     misalignment the element size allows, funnel-shifted), partial last words, and both packings of the
     strided kernel's element loads give the reference bits."""
@@ -119,8 +118,8 @@ def test_every_alignment_class_and_pack_agrees(pack, loop, shift, dtype):
     classes = {fg._alignment(fg._meta(v)) for v in views}
     assert classes == {(True, 0), (False, 0)} | {(False, r) for r in range(esize, 8, esize)}
     want = [ref(v) for v in views]
-    assert fg.fingerprint_many(views, pack=pack, loop=loop, shift=shift, **SMALL) == want
-    assert [fg.fingerprint_device(v, pack=pack, loop=loop, shift=shift, **SMALL) for v in views[::4]] == want[::4]
+    assert fg.fingerprint_many(views, pack=pack, loop=loop, **SMALL) == want
+    assert [fg.fingerprint_device(v, pack=pack, loop=loop, **SMALL) for v in views[::4]] == want[::4]
 
 
 def test_partial_word_ignores_the_bytes_after_the_tensor():
@@ -161,11 +160,10 @@ def _mixed_list():
 
 @pytest.mark.parametrize("pack", fg.PACKS)
 @pytest.mark.parametrize("loop", fg.LOOPS)
-@pytest.mark.parametrize("shift", fg.SHIFTS)
-def test_many_equals_per_tensor(pack, loop, shift):
+def test_many_equals_per_tensor(pack, loop):
     ts = _mixed_list()
     want = [ref(t) for t in ts]
-    assert fg.fingerprint_many(ts, pack=pack, loop=loop, shift=shift, **SMALL) == want
+    assert fg.fingerprint_many(ts, pack=pack, loop=loop, **SMALL) == want
     assert fg.fingerprint_hex_many_device(ts, pack=pack, **SMALL) == [f"{v:016x}" for v in want]  # cached plan
     assert [fg.fingerprint_device(t, **SMALL) for t in ts[::13]] == want[::13]
     assert fg.fingerprint_many([]) == []
@@ -200,21 +198,16 @@ def test_bad_options_are_rejected():
         fg.fingerprint_device(t, pack="fast")
     with pytest.raises(ValueError, match="wpt"):
         fg.fingerprint_device(t, wpt=3)
-    with pytest.raises(ValueError, match="shift"):
-        fg.fingerprint_device(t, shift="imad-all")
 
 
-@pytest.mark.parametrize("shift", range(len(fg.SHIFTS)))
-def test_term_at_large_word_indices(shift):
+def test_term_at_large_word_indices():
     """mix(w ^ mix(j + 1)) for word indices near 2^31, 2^32, 2^40 and 2^64 (tensors that large do not fit a
-    test): the kernels' 64-bit index arithmetic, with each way of shifting (`fingerprint_gpu.SHIFTS`); words
-    with every high bit set and clear too (the multiply-high shifts see the high word alone)."""
+    test): the kernels' 64-bit index arithmetic."""
     words = sample(torch.int64, (64,), seed=7)
-    words[:4] = torch.tensor([-1, 0, -(1 << 63), (1 << 32) - 1])
     wnp = words.cpu().numpy().view(np.uint64)
     for first in (0, (1 << 31) - 5, (1 << 32) - 64, (1 << 40) + 3, (1 << 63) - 7, (1 << 64) - 40):
         out = torch.empty(64, dtype=torch.int64, device=DEVICE)
-        _probe_term[(1,)](out, words, first - (1 << 64) if first >= (1 << 63) else first, N=64, SHIFT=shift)
+        _probe_term[(1,)](out, words, first - (1 << 64) if first >= (1 << 63) else first, N=64)
         with np.errstate(over="ignore"):
             want = _mix(wnp ^ _mix(np.arange(64, dtype=np.uint64) + np.uint64(first) + np.uint64(1)))
         assert np.array_equal(out.cpu().numpy().view(np.uint64), want), hex(first)

@@ -69,10 +69,9 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEFAULT = {"num_warps": 4, "wpt": 8, "nsub": 8, "pack": "reshape", "loop": "dynamic", "stages": 3, "shift": "alu"}
+DEFAULT = {"num_warps": 4, "wpt": 8, "nsub": 8, "pack": "reshape", "loop": "dynamic", "stages": 3}
 PACKS = ("reshape", "2d")
 LOOPS = ("static", "dynamic")
-SHIFTS = ("alu", "imad-index", "imad")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GTAB_COLS = 4           # numel, first item, element offset from the launch's base, slot
 _MAX_DIMS = 4
@@ -93,30 +92,16 @@ def available() -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _xorshift(z, S: tl.constexpr, IMAD: tl.constexpr):
-        """z ^ (z >> S) on uint64, 0 < S < 32.  IMAD: the high word's shift ``hi >> S`` is taken as the high half
-        of ``hi * 2^(32-S)``, which the GPU issues on its multiply-add pipe, instead of a shift on the integer
-        ALU pipe, which the rest of the finaliser keeps busy (the low word is one funnel shift either way).
-        Same bits: the high 32 bits of a 32 x 32-bit product by 2^(32-S) are exactly ``hi >> S``."""
-        if IMAD:
-            lo = (z >> S).to(tl.uint32)
-            hi = tl.umulhi((z >> 32).to(tl.uint32), tl.full(z.shape, 1 << (32 - S), tl.uint32))
-            return z ^ ((hi.to(tl.uint64) << 32) | lo.to(tl.uint64))
-        else:
-            return z ^ (z >> S)
-
-    @triton.jit
-    def _mix64(z, IMAD: tl.constexpr):
+    def _mix64(z):
         """splitmix64 finaliser on uint64 (wrapping)."""
-        z = _xorshift(z, 30, IMAD) * 0xBF58476D1CE4E5B9
-        z = _xorshift(z, 27, IMAD) * 0x94D049BB133111EB
-        return _xorshift(z, 31, IMAD)
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        return z ^ (z >> 31)
 
     @triton.jit
-    def _term(w, j, SHIFT: tl.constexpr):
-        """mix(w ^ mix(j + 1)): words w (uint64) at word indices j (int64).  SHIFT (see `SHIFTS`): 0 every
-        shift on the ALU, 1 the index mix's high-word shifts as multiplies, 2 both mixes' (`_xorshift`)."""
-        return _mix64(w ^ _mix64((j + 1).to(tl.uint64, bitcast=True), SHIFT >= 1), SHIFT >= 2)
+    def _term(w, j):
+        """mix(w ^ mix(j + 1)): words w (uint64) at word indices j (int64)."""
+        return _mix64(w ^ _mix64((j + 1).to(tl.uint64, bitcast=True)))
 
     @triton.jit
     def _elem_offsets(SUBW: tl.constexpr, R: tl.constexpr, PACK2D: tl.constexpr):
@@ -161,7 +146,7 @@ if HAVE_TRITON:
         return lo
 
     @triton.jit
-    def _tail_terms(wp, jj, numel, SUBW: tl.constexpr, ESIZE: tl.constexpr, MIS: tl.constexpr, SHIFT: tl.constexpr):
+    def _tail_terms(wp, jj, numel, SUBW: tl.constexpr, ESIZE: tl.constexpr, MIS: tl.constexpr):
         """Terms of words jj [SUBW] that reach the tensor's end: words past it count 0, the partial last word keeps
         only the tensor's bytes, and no load touches an aligned word that holds none of them."""
         R: tl.constexpr = 8 // ESIZE
@@ -171,11 +156,11 @@ if HAVE_TRITON:
         w = _load_words(wp, jj, m, (jj + 1) * 8 - MIS < numel * ESIZE, MIS, True)
         keep = (tl.full([SUBW], 1, tl.uint64) << ((numel - nfull * R) * 8 * ESIZE).to(tl.uint64)) - 1
         w = tl.where(jj == nfull, w & keep, w)
-        return tl.where(m, _term(w, jj, SHIFT), 0)
+        return tl.where(m, _term(w, jj), 0)
 
     @triton.jit
     def _words_block(base, off, numel, w0, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
-                     ALIGN16: tl.constexpr, MIS: tl.constexpr, SHIFT: tl.constexpr):
+                     ALIGN16: tl.constexpr, MIS: tl.constexpr):
         """Sum of the terms of words [w0, w0 + BLOCKW) of a contiguous tensor at element offset `off` from
         `base` whose data pointer is MIS (0..7) bytes past an 8-byte boundary (ALIGN16: 16-byte aligned)."""
         R: tl.constexpr = 8 // ESIZE
@@ -192,14 +177,14 @@ if HAVE_TRITON:
             if ALIGN16:
                 j = tl.multiple_of(j, SUBW)
             if j + SUBW <= nfull:                         # whole words: every load is inside the tensor
-                acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs, SHIFT)
+                acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs)
             elif j < nwords:                              # < SUBW whole words + the partial one
-                acc += _tail_terms(wp, j + woffs, numel, SUBW, ESIZE, MIS, SHIFT)
+                acc += _tail_terms(wp, j + woffs, numel, SUBW, ESIZE, MIS)
         return tl.sum(acc, axis=0)
 
     @triton.jit
     def _words_block_dyn(base, off, numel, w0, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
-                         ALIGN16: tl.constexpr, MIS: tl.constexpr, SHIFT: tl.constexpr):
+                         ALIGN16: tl.constexpr, MIS: tl.constexpr):
         """`_words_block` with the whole-word sub-blocks in a loop of run-time trip count and no branch inside
         (so the compiler can keep several sub-blocks' loads in flight), then at most one masked sub-block: the
         tensor's last < SUBW whole words and its partial word."""
@@ -216,15 +201,15 @@ if HAVE_TRITON:
             j = w0 + it * SUBW
             if ALIGN16:
                 j = tl.multiple_of(j, SUBW)
-            acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs, SHIFT)
+            acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs)
         j = w0 + nsub_full * SUBW
         if j < tl.minimum(w0 + BLOCKW, nwords):           # <= SUBW words left, the last maybe partial
-            acc += _tail_terms(wp, j + woffs, numel, SUBW, ESIZE, MIS, SHIFT)
+            acc += _tail_terms(wp, j + woffs, numel, SUBW, ESIZE, MIS)
         return tl.sum(acc, axis=0)
 
     @triton.jit
     def _contig_kernel(base, items, gtab, sums, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
-                       ALIGN16: tl.constexpr, MIS: tl.constexpr, DYN: tl.constexpr, SHIFT: tl.constexpr):
+                       ALIGN16: tl.constexpr, MIS: tl.constexpr, DYN: tl.constexpr):
         """One program = BLOCKW words of one tensor.  items[pid] = table row; row = numel, first item of the
         tensor, element offset from `base`, accumulator slot.  Every tensor of the launch has its data pointer
         MIS bytes past an 8-byte boundary (ALIGN16: all 16-byte aligned)."""
@@ -233,15 +218,15 @@ if HAVE_TRITON:
         numel = tl.load(row)
         w0 = (pid - tl.load(row + 1)).to(tl.int64) * BLOCKW
         if DYN:
-            total = _words_block_dyn(base, tl.load(row + 2), numel, w0, BLOCKW, SUBW, ESIZE, ALIGN16, MIS, SHIFT)
+            total = _words_block_dyn(base, tl.load(row + 2), numel, w0, BLOCKW, SUBW, ESIZE, ALIGN16, MIS)
         else:
-            total = _words_block(base, tl.load(row + 2), numel, w0, BLOCKW, SUBW, ESIZE, ALIGN16, MIS, SHIFT)
+            total = _words_block(base, tl.load(row + 2), numel, w0, BLOCKW, SUBW, ESIZE, ALIGN16, MIS)
         # int64 atomic add wraps mod 2^64 exactly like the uint64 sum
         tl.atomic_add(sums + tl.load(row + 3), total.to(tl.int64, bitcast=True), sem="relaxed")
 
     @triton.jit
     def _strided_kernel(ptr, sums, slot, numel, n1, n2, n3, s0, s1, s2, s3, BLOCKW: tl.constexpr,
-                        SUBW: tl.constexpr, ESIZE: tl.constexpr, PACK2D: tl.constexpr, SHIFT: tl.constexpr):
+                        SUBW: tl.constexpr, ESIZE: tl.constexpr, PACK2D: tl.constexpr):
         """A non-contiguous view of <= 4 dims (sizes n0..n3, element strides s0..s3, C-order index i)."""
         R: tl.constexpr = 8 // ESIZE
         w0 = tl.program_id(0).to(tl.int64) * BLOCKW
@@ -258,7 +243,7 @@ if HAVE_TRITON:
             i0 = r // n1
             x = tl.load(ptr + (i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3), mask=i < numel, other=0)
             jj = w0 + it + woffs
-            acc += tl.where(jj * R < numel, _term(_pack(x, SUBW, ESIZE, PACK2D), jj, SHIFT), 0)
+            acc += tl.where(jj * R < numel, _term(_pack(x, SUBW, ESIZE, PACK2D), jj), 0)
         tl.atomic_add(sums + slot, tl.sum(acc, axis=0).to(tl.int64, bitcast=True), sem="relaxed")
 
 
@@ -360,8 +345,6 @@ def _cfg(overrides: dict) -> dict:
         raise ValueError(f"pack must be one of {PACKS}")
     if cfg["loop"] not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}")
-    if cfg["shift"] not in SHIFTS:
-        raise ValueError(f"shift must be one of {SHIFTS}")
     if cfg["num_warps"] not in (1, 2, 4, 8, 16, 32) or cfg["nsub"] < 1 or cfg["wpt"] not in (1, 2, 4, 8, 16) \
             or cfg["stages"] not in (1, 2, 3, 4, 5):
         raise ValueError("num_warps must be a power of two <= 32, wpt 1, 2, 4, 8 or 16, nsub >= 1, stages 1-5")
@@ -398,7 +381,7 @@ def _launch(tensors: list, cfg: dict) -> "tuple[torch.Tensor, _Plan, list]":
     """Launch the kernels for tensors that all live on one device; returns the int64 sums tensor (S of each
     tensor, filled asynchronously on the current stream), the plan and the tensors actually read."""
     plan, tensors = _plan(tensors, cfg)
-    nw, pack2d, shift = cfg["num_warps"], cfg["pack"] == "2d", SHIFTS.index(cfg["shift"])
+    nw, pack2d = cfg["num_warps"], cfg["pack"] == "2d"
     sums = torch.zeros(len(tensors), dtype=torch.int64, device=tensors[0].device)
     table = plan.table
     items = table[plan.items_at:]
@@ -409,12 +392,12 @@ def _launch(tensors: list, cfg: dict) -> "tuple[torch.Tensor, _Plan, list]":
             nwords = -(-t.numel() * esize // 8)
             _strided_kernel[(-(-nwords // blockw),)](
                 t, sums, j, t.numel(), sizes[1], sizes[2], sizes[3], *strides, BLOCKW=blockw, SUBW=subw,
-                ESIZE=esize, PACK2D=pack2d, SHIFT=shift, num_warps=nw)
+                ESIZE=esize, PACK2D=pack2d, num_warps=nw)
         else:
             _, base, esize, (align16, mis), subw, blockw, row0, item0, nitems = launch
             _contig_kernel[(nitems,)](
                 tensors[base].detach().view(_INT_VIEW[esize]), items[item0:], table[row0 * _GTAB_COLS:], sums,
-                BLOCKW=blockw, SUBW=subw, ESIZE=esize, ALIGN16=align16, MIS=mis, DYN=cfg["loop"] == "dynamic", SHIFT=shift,
+                BLOCKW=blockw, SUBW=subw, ESIZE=esize, ALIGN16=align16, MIS=mis, DYN=cfg["loop"] == "dynamic",
                 num_warps=nw, num_stages=cfg["stages"])
     return sums, plan, tensors
 

@@ -226,17 +226,22 @@ class DispatchPlan:
         return inv
 
 
+def id_mask(index: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """index [..., m] int64 ids in [0, n) -> mask [..., m, n] bool, ``mask[..., i, d] = index[..., i] == d`` (a
+    one-hot by comparison; ids outside [0, n) get an all-false row).
+
+    Why not ``one_hot`` / ``bincount`` / ``zeros()[rows, index] = 1``: on CUDA each waits for the device at
+    every MoE layer and microbatch (one_hot and bincount read the index's min and max back to the host; the
+    indexed store with a row and an index tensor synchronised too, in torch 2.11's sync debug mode on an
+    H200); a comparison does not.  Memory: m x n bools per leading index."""
+    return index.unsqueeze(-1) == torch.arange(num_ids, device=index.device)
+
+
 def expert_counts(index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Rows routed to each expert: index [..., m] int64 expert ids in [0, E) -> counts [..., E] int64, counted
-    over the last dim (``torch.bincount`` per row, Megatron's ``tokens_per_expert``).
-
-    Integer sums of a comparison, so exact in any order, and free of host synchronisation: on CUDA
-    ``torch.bincount`` (and ``one_hot``) read the index's min and max back to the host to size or check their
-    output, a wait for the device at every MoE layer and microbatch.  Memory: one bool per (row, expert),
-    m x E per leading index.  Ids outside [0, E) are not counted (bincount would raise; the router never makes
-    them)."""
-    experts = torch.arange(num_experts, device=index.device)
-    return (index.unsqueeze(-1) == experts).sum(-2)
+    over the last dim (``torch.bincount`` per row, Megatron's ``tokens_per_expert``).  Integer sums of
+    `id_mask`, exact in any order, no host synchronisation."""
+    return id_mask(index, num_experts).sum(-2)
 
 
 def plan_dispatch(index: torch.Tensor, num_experts: int, ep: Optional[ExpertParallel],

@@ -15,8 +15,8 @@ from torch import nn
 
 from trainerkit.config import ModelConfig
 from .common import LossAutoScaler, SwiGLUMLP, fanout
-from .expert_parallel import (ExpertParallel, RepeatRows, all_to_all, expert_counts, gather_shards, plan_dispatch,
-                              sort_chunks, take_shard, unsort_chunks)
+from .expert_parallel import (ExpertParallel, RepeatRows, all_to_all, expert_counts, gather_shards, id_mask,
+                              plan_dispatch, sort_chunks, take_shard, unsort_chunks)
 
 
 def _sort_stable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +59,7 @@ def group_limited_topk(select: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Te
     per_group = cfg.moe_router_topk // cfg.moe_router_group_topk
     group_scores = _topk_stable(select.view(t, g, e // g), per_group)[0].sum(-1)          # [t, G]
     group_sorted, group_order = _sort_stable(group_scores)                                 # [t, G] each
-    keep = torch.zeros(t, g, dtype=torch.bool, device=select.device)
-    keep[torch.arange(t, device=select.device).unsqueeze(1), group_order[:, :cfg.moe_router_group_topk]] = True
+    keep = id_mask(group_order[:, :cfg.moe_router_group_topk], g).any(-2)                  # [t, G]
     masked = select.masked_fill(~keep.repeat_interleave(e // g, dim=1), float("-inf"))
     masked_sorted, order = _sort_stable(masked)                                             # [t, E] each
     ties = torch.stack([boundary_ties(masked_sorted, cfg.moe_router_topk),
@@ -142,8 +141,7 @@ def seq_aux_loss(scores: torch.Tensor, s: int, b: int, cfg: ModelConfig) -> torc
     normed_rows = scores / (scores.sum(-1, keepdim=True) + 1e-20)
     normed = normed_rows.view(s, b, e)
     _, index = _topk_stable(normed_rows.detach(), k)
-    routed = torch.zeros(s * b, e, device=scores.device)
-    routed[torch.arange(s * b, device=scores.device).unsqueeze(1), index] = 1.0
+    routed = id_mask(index, e).any(-2).float()                # [s*b, E]: 1.0 where routed, else +0.0
     f = routed.view(s, b, e).sum(0) * (e / (k * s))          # [b, E]
     p = normed.mean(0)                                         # [b, E]
     return (f * p).sum(-1).mean() * cfg.moe_aux_loss_coeff
