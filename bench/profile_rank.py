@@ -40,6 +40,7 @@ def main() -> int:
 
     from harness.cases import load_case
     from reference_impl.train import train
+    from reference_impl.worker import deterministic_torch
     from reference_impl.transport import setup
 
     plan = load_case(args.case, only=[args.variant])
@@ -49,7 +50,7 @@ def main() -> int:
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"train_iters": args.steps})})
     if cfg.parallel.world_size != 1:
         raise SystemExit(f"{args.variant}: {cfg.parallel.world_size} ranks; this profiles a world of one (P = 1)")
-    torch.use_deterministic_algorithms(True)
+    deterministic_torch()
     torch.set_num_threads(cfg.training.num_threads)
     work = Path(tempfile.mkdtemp())
     store = dist.FileStore(str(work / "store"), 1)

@@ -25,7 +25,8 @@ from harness.trace import TraceError, merge
 from trainerkit import names
 from trainerkit.config import ModelConfig
 from trainerkit.init import init_parameters
-from reference_impl.model.expert_parallel import ExpertParallel, expert_counts, plan_dispatch, sort_chunks, unsort_chunks
+from reference_impl.model.expert_parallel import (ExpertParallel, PermuteRows, expert_counts, plan_dispatch, sort_chunks,
+                                                  unsort_chunks)
 from reference_impl.model.moe import MoELayer
 from test_cli_errors import _check_usage_error
 
@@ -82,6 +83,30 @@ def test_expert_counts_equal_bincount(shape):
     rows = index.reshape(math.prod(shape[:-1]), shape[-1])
     want = torch.stack([torch.bincount(r, minlength=8) for r in rows])
     assert torch.equal(got.reshape(-1, 8), want)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_permute_rows_backward_has_index_selects_bits(dtype, device):
+    """`PermuteRows`' gather backward gives the bits of autograd's index_select backward (a scatter into zeros):
+    -0.0 becomes +0.0 in both, NaN payloads come through alike, every other value unchanged."""
+    g = torch.Generator().manual_seed(4)
+    order = torch.randperm(12, generator=g)
+    inverse = torch.argsort(order)
+    x = torch.randn(12, 5, generator=g).to(dtype)
+    grad = torch.randn(12, 5, generator=g).to(dtype)
+    grad[0, 0], grad[1, 1], grad[2, 2] = -0.0, float("nan"), 0.0
+    grad.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[3, 3] = -1       # a NaN with a payload
+    order, inverse, x, grad = (t.to(device) for t in (order, inverse, x, grad))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    got, want = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = PermuteRows.apply(got, order, inverse)
+    ref = want.index_select(0, order)
+    assert torch.equal(out.view(bits), ref.view(bits))
+    out.backward(grad)
+    ref.backward(grad)
+    assert torch.equal(got.grad.view(bits), want.grad.view(bits))
+    assert (got.grad.view(bits) == 0).sum() == 2                                        # both zeros now +0.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

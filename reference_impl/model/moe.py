@@ -15,8 +15,8 @@ from torch import nn
 
 from trainerkit.config import ModelConfig
 from .common import LossAutoScaler, SwiGLUMLP, fanout
-from .expert_parallel import (ExpertParallel, RepeatRows, all_to_all, expert_counts, gather_shards, id_mask,
-                              plan_dispatch, sort_chunks, take_shard, unsort_chunks)
+from .expert_parallel import (ExpertParallel, PermuteRows, RepeatRows, all_to_all, expert_counts, gather_shards,
+                              id_mask, plan_dispatch, sort_chunks, take_shard, unsort_chunks)
 
 
 def _sort_stable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +207,7 @@ class MoELayer(nn.Module):
         plan = plan_dispatch(index, self.cfg.num_moe_experts, self.ep, self.unsorted_dispatch)
         tokens = take_shard(to_permute, self.ep)                       # [n, h]
         st["moe.shared"] = self.shared_experts(to_shared)
-        st["moe.permuted"] = RepeatRows.apply(tokens, k).index_select(0, plan.order)
+        st["moe.permuted"] = PermuteRows.apply(RepeatRows.apply(tokens, k), plan.order, plan.inverse)
         st["moe.probs"] = take_shard(probs, self.ep)
         st["moe.meta"] = (s, b, plan)
 
@@ -233,7 +233,7 @@ class MoELayer(nn.Module):
         s, b, plan = st.pop("moe.meta")
         k, h = self.cfg.moe_router_topk, self.cfg.hidden_size
         rows = all_to_all(st.pop("moe.expert_out"), plan.in_splits, plan.out_splits, self.ep)
-        routed = rows.index_select(0, plan.inverse()).view(-1, k, h)
+        routed = PermuteRows.apply(rows, plan.inverse, plan.order).view(-1, k, h)
         probs = st.pop("moe.probs").to(routed.dtype)    # Megatron casts the fp32 router probs to the activation dtype
         combined = routed[:, 0] * probs[:, 0:1]
         for j in range(1, k):                      # fixed-order sum over the top-k
