@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                         "torchrun per run, rank/world from the environment, local rank r on cuda:r")
     v.add_argument("--jobs", type=int, metavar="N", help="run at most N runs at once (default: as many as this "
                    "machine's cores carry, packed by rank count; 1: one after another)")
+    v.add_argument("--budget", metavar="DURATION", help="time for the whole command, e.g. 9m, 90s: once spent, "
+                   "no run starts and runs in flight are stopped; the runs left undone are errors ('not run'), "
+                   "the finished ones are compared and reported (an outside time limit then still leaves verdicts)")
     v.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)   # test-only planted faults
     g = v.add_mutually_exclusive_group()
     g.add_argument("--golden", metavar="DIR", help="also compare every run with its golden trace in DIR "
@@ -146,6 +149,7 @@ def _schedule_explain(args) -> int:
 
 def _verify(args, argv) -> int:
     from .cases import load_case
+    from .budget import Deadline
     from .verify import verify
     from trainerkit.config import MAX_TIMEOUT_S, MAX_TRAIN_ITERS
     from . import golden, sources
@@ -156,6 +160,7 @@ def _verify(args, argv) -> int:
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
     _check_jobs(args.jobs)
+    deadline = Deadline(args.budget)        # counted from here: an outside limit counts from the command's start
     for flag, value in (("--golden", args.golden), ("--write-golden", args.write_golden)):
         if value is not None and not value.strip():
             raise UsageError(f"{flag}: empty path")
@@ -195,7 +200,8 @@ def _verify(args, argv) -> int:
         goldens = golden.GoldenRequest(Path(args.write_golden), True, key)
     with _out_errors(args.out):
         result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
-                        launcher=args.launcher, evidence_all=args.evidence, goldens=goldens, jobs=args.jobs)
+                        launcher=args.launcher, evidence_all=args.evidence, goldens=goldens, jobs=args.jobs,
+                        deadline=deadline)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
     cross = result.cross_implementation
     cross_words = f", cross-implementation {cross['verdict']}" if cross else ""
@@ -263,7 +269,8 @@ def _check_jobs(jobs) -> None:
 
 def _fuzz(args, argv) -> int:
     from .cases import load_case
-    from .fuzz import check_out, fuzz, minimal_case_path, parse_budget, write_minimal_case
+    from .budget import parse_budget
+    from .fuzz import check_out, fuzz, minimal_case_path, write_minimal_case
     from .verify import verify
     budget = parse_budget(args.budget)
     if args.seed is not None and not 0 <= args.seed < 2 ** 64:

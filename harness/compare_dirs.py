@@ -28,7 +28,8 @@ from .localise import localise
 from .report import write_report
 from .results import CaseResult, VariantResult
 from .trace import RANK_FORMAT, Trace, TraceError, first_nonfinite, merge
-from .verify import judge, judge_nonfinite, series
+from .judge import judge, judge_nonfinite
+from .verify import series
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 

@@ -223,6 +223,16 @@ def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
     return rec
 
 
+def _base(spec: CrossImplementationSpec, cfg: RunConfig) -> dict:
+    return {"trainers": [cfg.trainer, other_trainer(cfg.trainer)], "variant": spec.variant, "step": spec.step,
+            "max_ulp": spec.max_ulp, "params_dtype": spec.params_dtype, "device": cfg.device}
+
+
+def not_run(spec: CrossImplementationSpec, cfg: RunConfig, reason: str) -> dict:
+    """The record of a check that did not run (verdict ``error``, `reason`; e.g. the --budget was spent)."""
+    return {**_base(spec, cfg), "verdict": "error", "reason": reason}
+
+
 def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: float, launcher: str,
         progress: Callable[[str], None] = print) -> dict:
     """Run `cfg` (the chosen variant's config) with its own trainer and with the other one, each dumping every
@@ -230,8 +240,7 @@ def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: floa
     (``verdict`` pass / fail / error, ``reason``, per-loss and per-tensor rows, ``headline``)."""
     first, second = cfg.trainer, other_trainer(cfg.trainer)
     cfg = cfg.model_copy(update={"params_dtype": spec.params_dtype})
-    base = {"trainers": [first, second], "variant": spec.variant, "step": spec.step, "max_ulp": spec.max_ulp,
-            "params_dtype": spec.params_dtype, "device": cfg.device}
+    base = _base(spec, cfg)
     try:
         progress(f"[cross-implementation] {first} vs {second} at step {spec.step} ({spec.params_dtype}) ...")
         a, ta, ea = _run(cfg, spec.step, work / first, timeout, launcher)

@@ -48,7 +48,6 @@ from .strategies import layouts
 from .trace import TraceError, merge
 
 
-MAX_BUDGET_S = 7 * 86_400.0
 # examples hypothesis draws per batch: each batch ends in a wait for its slowest run, and its drawing costs
 # a few ms an example before anything runs; a constant, so that a seed means the same layouts on every machine
 BATCH = 24
@@ -75,22 +74,6 @@ class FuzzResult:
     def per_minute(self) -> float:
         """Layouts verified per minute of wall time."""
         return 60.0 * self.tried / self.elapsed_s if self.elapsed_s else 0.0
-
-
-def parse_budget(text: str) -> float:
-    """'90s', '10m', '1h' or plain seconds -> seconds.
-
-    Raises:
-        UsageError: unparsable, or not in (0, MAX_BUDGET_S] (so 'nan', 'inf', '1e400' never mean "forever").
-    """
-    units = {"s": 1, "m": 60, "h": 3600}
-    try:
-        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
-    except ValueError:
-        raise UsageError(f"--budget {text!r}: expected e.g. 90s, 10m, 1h") from None
-    if not (0 < value <= MAX_BUDGET_S):      # written so that nan fails too
-        raise UsageError(f"--budget {text!r} must be positive and at most {MAX_BUDGET_S // 3600:.0f}h")
-    return value
 
 
 def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[int] = None,

@@ -111,7 +111,7 @@ class VariantResult:
     overlap_coverage: dict = field(default_factory=dict)
     overlap: bool = False                         # overlap_moe_expert_parallel_comm (Megatron's 1F1B overlap)
     delay_wgrad: bool = False                     # delay_wgrad_compute
-    outcome: Outcome | Literal[""] = ""           # what happened, in words (`harness.verify.judge`); "" unjudged
+    outcome: Outcome | Literal[""] = ""           # what happened, in words (`harness.judge.judge`); "" unjudged
     # differences outside the expected divergence's signature (`harness.signature`), one line each
     # ("step 0 grad mtp.layers.0.eh_proj.weight"), at most 20 then "… and N more"; [] when none or not checked
     outside_signature: list = field(default_factory=list)

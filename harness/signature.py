@@ -120,7 +120,7 @@ def lines(diffs: list[Difference]) -> list[str]:
 
 
 def judge(verdict: tuple[str, str, str], spec, cmp: Optional[Comparison], clipping: bool) -> tuple[str, str, str, list]:
-    """`harness.verify.judge`'s (verdict, outcome, reason) with the signature applied: a passing
+    """`harness.judge.judge`'s (verdict, outcome, reason) with the signature applied: a passing
     ``may_diverge`` / ``diverge`` variant that differs outside its signature fails.  Returns the four-tuple
     (verdict, outcome, reason, the `Difference` s outside)."""
     if cmp is None or verdict[0] != "pass" or spec.expect in ("bitwise", "not_finite"):

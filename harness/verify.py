@@ -21,7 +21,9 @@ from trainerkit.config import CheckpointConfig
 from trainerkit.data import text_sha256
 from trainerkit.schedule import build_schedule, serialise, timeline
 
-from . import agreement, crossimpl, expectations, golden, outdir, pool, signature, trainers
+from . import agreement, crossimpl, golden, outdir, pool, signature, trainers
+from .budget import Deadline
+from .judge import bugs_elsewhere, judge, judge_nonfinite
 from .arithmetic import environment
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
@@ -94,12 +96,20 @@ def series(trace: Optional[Trace], cmp: Optional[Comparison]) -> StepSeries:
     return s
 
 
-def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launcher: str, progress) -> dict:
+def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launcher: str, progress,
+            deadline: Deadline) -> dict:
     """Run `run` again ``repeat - 1`` times (into run_dir/repeat{k}) and compare each with the first run: any
-    difference is run-to-run nondeterminism, reported apart from layout effects."""
+    difference is run-to-run nondeterminism, reported apart from layout effects.  A repeat the budget leaves no
+    time for is not run: ``deterministic`` None (unchecked, `judge` makes it an error)."""
     for k in range(2, run.spec.repeat + 1):
         rdir = run_dir / f"repeat{k}"
-        outcome = run_ranks(run.config, rdir, timeout, launcher)
+        if deadline.spent():
+            return {"runs": k - 1, "deterministic": None, "first_divergence": None,
+                    "detail": f"repeat {k} not run: {deadline.words()} was spent"}
+        outcome = run_ranks(run.config, rdir, deadline.cap(timeout), launcher)
+        if not outcome.ok and deadline.spent():
+            return {"runs": k - 1, "deterministic": None, "first_divergence": None,
+                    "detail": f"repeat {k} stopped: {deadline.words()} ran out"}
         if not outcome.ok:
             return {"runs": k, "deterministic": False, "first_divergence": None,
                     "detail": f"repeat {k} did not complete: {outcome.error.splitlines()[0]}"}
@@ -111,128 +121,6 @@ def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launch
                     "detail": f"repeat {k} differs from run 1: step {fd.step} {fd.kind} {fd.name}"}
     return {"runs": run.spec.repeat, "deterministic": True, "first_divergence": None,
             "detail": f"{run.spec.repeat} runs bitwise equal"}
-
-
-def judge(run: PlannedRun, cmp: Optional[Comparison], error: Optional[str],
-          replicas: Optional[dict] = None, run_to_run: Optional[dict] = None) -> tuple[str, str, str]:
-    """(verdict, outcome, one-line reason) for a variant from its expectation, comparison and replica status.
-
-    verdict: pass / fail / error (the exit code).  outcome (`harness.results.Outcome`): what happened —
-    ``equal``, ``differs only where allowed`` (``may_diverge``, first divergence where it was allowed),
-    ``differs as expected`` (``diverge``), ``unexpected difference``, ``unexpectedly equal``, ``error``, or
-    ``reference`` for the baseline.
-
-    Structural failures come first: a parameter inventory that differs from the reference run's fails
-    unless the variant expects exactly that (``first_divergence: {kind: inventory}``); a replica that
-    drifted from its original (`harness.compare.replica_status`) fails the baseline and every
-    ``bitwise`` / ``may_diverge`` variant (a ``diverge`` run may be broken on purpose).
-    """
-    if error:
-        return "error", "error", error.splitlines()[0]
-    if run_to_run and not run_to_run["deterministic"]:   # nondeterminism, not a layout effect
-        return "fail", "unexpected difference", f"run-to-run nondeterminism: {run_to_run['detail']}"
-    broken = replicas is not None and replicas.get("consistent") is False
-    replica_why = f"replica inconsistent from step {replicas['first_broken_step']}: {replicas['detail']}" \
-        if broken else ""
-    if run.is_baseline:
-        return ("fail", "unexpected difference", f"reference run: {replica_why}") if broken else \
-            ("pass", "reference", "reference run: completed (compared with itself)")
-    if run.spec.expect == "not_finite":     # judged by where it stopped being finite (`judge_nonfinite`)
-        return "pass", "not finite as expected", ""
-    fd, exp = cmp.first_divergence, run.spec
-    where = f"first divergence: step {fd.step} {fd.kind} {fd.name}" if fd else ""
-    ref = exp.compare_to or "the baseline"
-    want = exp.first_divergence
-    if cmp.inventory and not (exp.expect != "bitwise" and any(w.kind == "inventory" for w in want or [])):
-        return "fail", "unexpected difference", \
-            f"parameter inventory differs from {ref} ({len(cmp.inventory)}): {cmp.inventory[0]}"
-    if cmp.bitwise_equal:
-        if exp.expect == "diverge":
-            return "fail", "unexpectedly equal", f"expected a divergence but the run is bitwise equal to {ref}"
-        if broken:
-            return "fail", "unexpected difference", f"bitwise equal to {ref}, but {replica_why}"
-        allowed = f" (allowed to differ: {' or '.join(map(_allowed, want))})" if exp.expect == "may_diverge" else ""
-        return "pass", "equal", f"bitwise equal to {ref}{allowed}"
-    if exp.expect == "bitwise":
-        return "fail", "unexpected difference", f"expected bitwise equality; {where}" + \
-            (f"; {replica_why}" if broken else "")
-    misses = [_misplaced(fd, w) for w in want or []]
-    mismatch = min(misses, key=len) if misses and all(misses) else []
-    if mismatch:
-        return "fail", "unexpected difference", \
-            ("differs outside what is allowed: " if exp.expect == "may_diverge" else
-             "diverged elsewhere than expected: ") + ", ".join(mismatch)
-    if exp.expect == "may_diverge":     # a layout that may round differently must still keep its replicas
-        if broken:
-            return "fail", "unexpected difference", f"{_where_words(fd)} is allowed, but {replica_why}"
-        return "pass", "differs only where allowed", f"differs only where allowed: {_where_words(fd)}"
-    return "pass", "differs as expected", f"differs as expected; {where}"
-
-
-def _bugs_elsewhere(run: PlannedRun) -> list[str]:
-    """The bugs `run`'s variant states for other megatron versions than the one it ran on."""
-    declared = run.declared or run.spec
-    if run.config.trainer != "megatron-core" or not declared.megatron_versions:
-        return []
-    return expectations.bugs_elsewhere(declared, expectations.entry_for(
-        declared, trainers.megatron_version(run.config.megatron_path)))
-
-
-def judge_nonfinite(spec, nonfinite, verdict: str, happened: str, reason: str,
-                     planted: bool = False) -> tuple[str, str, str]:
-    """(verdict, outcome, reason) once the run's first NaN / inf (`harness.trace.first_nonfinite`, or None) is
-    known.  NaN bits compare equal to themselves, so a broken run must not pass as "equal": it fails, except a
-    ``diverge`` run with a planted fault (`planted`: broken on purpose, it only says so) and a ``not_finite``
-    run, which passes only when it is not finite where its first_divergence says (the bug it states is caught
-    there).  A ``diverge`` run without a planted fault differs for a reason the case states (other data, another
-    option), not by breaking: not finite, it fails."""
-    if spec.expect == "not_finite":
-        if nonfinite is None:
-            return "fail", "unexpectedly finite", "expected training to become not finite, but every loss and grad " \
-                "norm is finite"
-        misses = [_misplaced(nonfinite, w) for w in spec.first_divergence or []]
-        if misses and all(misses):
-            return "fail", "unexpected difference", f"not finite elsewhere than expected: {nonfinite}; " + \
-                ", ".join(min(misses, key=len))
-        return "pass", "not finite as expected", f"not finite as expected: {nonfinite}"
-    if nonfinite is None:
-        return verdict, happened, reason
-    if spec.expect == "diverge" and planted:
-        return verdict, happened, f"{reason}; training not finite: {nonfinite}"
-    return "fail", "not finite", f"training not finite: {nonfinite}"
-
-
-def _misplaced(fd, want) -> list[str]:
-    """How the first divergence `fd` misses the expected place `want` (fields left out match anything)."""
-    kind = getattr(fd, "kind", "grad_norm" if fd.name == "grad norm" else "loss")     # a `NonFinite` has no kind
-    out = [f"{k} {have!r} (expected {getattr(want, k)!r})" for k, have in
-           (("step", fd.step), ("kind", kind), ("name", fd.name), ("microbatch", fd.microbatch))
-           if getattr(want, k) is not None and getattr(want, k) != have]
-    # the ULP bound only speaks about the place it allows: elsewhere the place itself is the miss
-    if not out and want.max_ulp is not None and (getattr(fd, "ulp", None) is None or fd.ulp > want.max_ulp):
-        out.append(f"{fd.ulp if fd.ulp is not None else 'unknown'} ulp (at most {want.max_ulp} allowed)")
-    return out
-
-
-def _allowed(want) -> str:
-    """'grad norm, any step, <= 4 ulp': where a `may_diverge` variant is allowed to differ, in words."""
-    what = "grad norm" if want.kind == "grad_norm" else f"{want.kind} {want.name or '(any)'}"
-    parts = [what, f"step {want.step}" if want.step is not None else "any step"]
-    if want.microbatch is not None:
-        parts.append(f"microbatch {want.microbatch}")
-    if want.max_ulp is not None:
-        parts.append(f"<= {want.max_ulp} ulp")
-    return ", ".join(parts)
-
-
-def _where_words(fd) -> str:
-    """'grad norm, step 1, 1 ULP' / 'grad norm, step 1, 574215113 float64 ULP' (megatron-core's norm) /
-    'grad embedding.word_embeddings.weight, step 0'."""
-    what = "grad norm" if fd.kind == "grad_norm" else f"{fd.kind} {fd.name}"
-    if fd.microbatch is not None:
-        what += f", microbatch {fd.microbatch}"
-    wide = " float64" if getattr(fd, "ulp_bits", None) == 64 else ""
-    return f"{what}, step {fd.step}" + (f", {fd.ulp}{wide} ULP" if fd.ulp is not None else "")
 
 
 def _comparison_record(v: VariantResult) -> dict:
@@ -248,8 +136,13 @@ def _comparison_record(v: VariantResult) -> dict:
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
            progress: Callable[[str], None] = print, launcher: str = "fork", evidence_all: bool = False,
-           goldens: Optional[golden.GoldenRequest] = None, jobs: Optional[int] = None) -> CaseResult:
+           goldens: Optional[golden.GoldenRequest] = None, jobs: Optional[int] = None,
+           deadline: Optional[Deadline] = None) -> CaseResult:
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``).
+
+    deadline (`harness.budget`, ``--budget``): once it is spent no run, repeat, evidence run or cross-implementation
+    check starts, and those in flight are stopped at it (their watchdog is capped); each run left undone is an
+    ``error`` (``not run: ...`` / ``stopped: ...``), every finished run is compared and reported as usual.
 
     jobs: how many runs may go at once (`harness.pool.run_packed`: packed by rank count into this process's CPU
     cores); None: as many as fit, 1: one after another.
@@ -267,11 +160,11 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     # the partial directory is removed and the lock released on every exit, a crash included
     with outdir.workspace(out_root, plan.name) as (work, final):
         return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
-                       goldens, jobs or pool.cores())
+                       goldens, jobs or pool.cores(), deadline or Deadline(None))
 
 
 def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
-            goldens, jobs) -> CaseResult:
+            goldens, jobs, deadline) -> CaseResult:
     env = environment()
     timeout = timeout_s or plan.spec.timeout_s
     traces, outcomes, repeats = {}, {}, {}
@@ -299,11 +192,21 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         run = dataclasses.replace(run, config=plan_configs[name])
         ep, dp = run.config.parallel.expert_model_parallel_size, run.config.parallel.data_parallel_size
         who = "" if run.config.trainer == "reference" else f" [{run.config.trainer}]"
+        if deadline.spent():
+            outcome = RunOutcome(False, f"not run: {deadline.words()} was spent before it could start", 0.0)
+            (work / dirs[name]).mkdir(parents=True, exist_ok=True)
+            (work / dirs[name] / "manifest.json").write_text(
+                json.dumps(_manifest(plan, run, outcome, None, env, reproduce[name], schedules[name]), indent=1))
+            progress(f"[{numbered[name]}/{len(plan.runs)}] {name}{who}: not run ({deadline.words()} is spent)")
+            return None, outcome, None
         progress(f"[{numbered[name]}/{len(plan.runs)}] {name}{who}: P={run.layout.pipeline_model_parallel_size} "
                  f"V={run.layout.virtual_pipeline_model_parallel_size}{f' DP={dp}' if dp > 1 else ''}"
                  f"{f' EP={ep}' if ep > 1 else ''} "
                  f"{run.layout.text} ...")
-        outcome = run_ranks(run.config, work / dirs[name], timeout, launcher)
+        outcome = run_ranks(run.config, work / dirs[name], deadline.cap(timeout), launcher)
+        if not outcome.ok and deadline.spent():
+            outcome = RunOutcome(False, f"stopped: {deadline.words()} ran out {outcome.elapsed_s:.0f} s into the "
+                                 f"run\n{outcome.error}", outcome.elapsed_s)
         trace = None
         if outcome.ok:
             try:
@@ -317,7 +220,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             json.dumps(_manifest(plan, run, outcome, trace, env, reproduce[name], schedules[name]), indent=1))
         progress(f"      {name}: {'ran' if outcome.ok else 'ERROR'} in {outcome.elapsed_s:.1f} s"
                  + ("" if outcome.ok else f": {outcome.error.splitlines()[0]}"))
-        repeat = _repeat(run, trace, work / dirs[name], timeout, launcher, progress) \
+        repeat = _repeat(run, trace, work / dirs[name], timeout, launcher, progress, deadline) \
             if trace is not None and run.spec.repeat > 1 else None
         return trace, outcome, repeat
 
@@ -366,11 +269,14 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             reason += f"; localised: {where['message']}"
         evidence, evidence_error = [], ""
         # a run that states a bug shows how far it moved (the report's "caught" line), as a failure does
-        if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all or run.spec.bug):
+        if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all or run.spec.bug) \
+                and deadline.spent():
+            evidence_error = f"not collected: {deadline.words()} was spent"
+        elif fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all or run.spec.bug):
             progress(f"      collecting ULP evidence at step {fd.step} ...")
             try:
                 evidence = collect_evidence(plan_configs[ref_name], run.config, ref, trace, fd.step,
-                                            work / dirs[name] / "evidence", timeout, launcher)
+                                            work / dirs[name] / "evidence", deadline.cap(timeout), launcher)
             except RuntimeError as e:
                 evidence_error = str(e)
         variants.append(VariantResult(
@@ -391,7 +297,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error,
             localisation=where or {}, outside_signature=signature.lines(outside),
             outside_signature_count=len(outside), bug=run.spec.bug, nonfinite=str(nonfinite or ""),
-            bug_elsewhere=_bugs_elsewhere(run)))
+            bug_elsewhere=bugs_elsewhere(run)))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env.update(plan.facts(), launcher=launcher)
     for role in ("head", "base"):
@@ -403,8 +309,12 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     chosen = next((r for r in plan.runs if spec and r.spec.name == (spec.variant or base_name)), None)
     if spec and chosen is None:
         progress(f"[cross-implementation] skipped: variant {spec.variant or base_name!r} is not among the runs (--only)")
-    if chosen is not None:
-        cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", timeout, launcher, progress)
+    if chosen is not None and deadline.spent():
+        cross = crossimpl.not_run(spec, chosen.config, f"not run: {deadline.words()} was spent")
+        progress(f"[cross-implementation] {cross['reason']}")
+    elif chosen is not None:
+        cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", deadline.cap(timeout), launcher,
+                              progress)
         (work / "cross-implementation" / "cross_implementation.json").write_text(json.dumps(cross, indent=1))
     golden_record = golden.apply(goldens, plan, env, traces, variants, dirs, progress)
     for v in variants:

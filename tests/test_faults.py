@@ -257,7 +257,7 @@ def test_judge_structural_rules():
     from harness.case_schema import ExpectedDivergence
     from harness.compare import Comparison
     from harness.results import FirstDivergence
-    from harness.verify import judge
+    from harness.judge import judge
 
     def run(expect="bitwise", want=None, baseline=False):
         return SimpleNamespace(is_baseline=baseline, spec=SimpleNamespace(expect=expect, first_divergence=want,
@@ -283,7 +283,7 @@ def test_judge_may_diverge_allows_equality_or_the_named_first_divergence():
     from harness.case_schema import ExpectedDivergence
     from harness.compare import Comparison
     from harness.results import FirstDivergence
-    from harness.verify import judge
+    from harness.judge import judge
 
     def run(expect, want):
         return SimpleNamespace(is_baseline=False, spec=SimpleNamespace(expect=expect, first_divergence=want,

@@ -167,6 +167,7 @@ def test_cli_timeout_and_budget_bounds(tmp_path, capsys):
     assert "--timeout" in _one_line_error(capsys, out, "verify", case, "--out", out, "--timeout", "1e30")
     for budget in ("nan", "infs", "1e400"):
         assert "--budget" in _one_line_error(capsys, out, "fuzz", case, "--out", out, "--budget", budget)
+        assert "--budget" in _one_line_error(capsys, out, "verify", case, "--out", out, "--budget", budget)
     assert "--max-pp" in _one_line_error(capsys, out, "fuzz", case, "--out", out, "--max-pp", "100000")
     for n in ("0", "-3", "1000000"):
         assert "--max-layouts" in _one_line_error(capsys, out, "fuzz", case, "--out", out, "--max-layouts", n)

@@ -14,7 +14,7 @@ from harness.case_schema import VariantSpec
 from harness.crossimpl import CrossImplementationSpec, expected, judge as judge_cross
 from harness.expectations import entry_for, resolve
 from harness.trace import NonFinite
-from harness.verify import judge_nonfinite
+from harness.judge import judge_nonfinite
 from trainerkit.layout import LayoutError, PipelineLayout
 
 SPEC = VariantSpec.model_validate({
