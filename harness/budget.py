@@ -5,6 +5,7 @@ verdicts of the runs that finished instead of being killed with none.
 from __future__ import annotations
 
 import math
+import re
 import time
 
 from .errors import UsageError
@@ -13,46 +14,69 @@ MAX_BUDGET_S = 7 * 86_400.0
 _clock = time.monotonic         # the clock every Deadline reads (tests move it forward)
 
 
+_BUDGET = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([smh]?)")     # ASCII digits, no sign, space, _ or exponent
+
+
 def parse_budget(text: str) -> float:
-    """'90s', '10m', '1h' or plain seconds -> seconds.
+    """'90s', '10m', '1.5h' or plain seconds ('120') -> seconds.
 
     Raises:
-        UsageError: unparsable, or not in (0, MAX_BUDGET_S] (so 'nan', 'inf', '1e400' never mean "forever").
+        UsageError: not of that form, or not in (0, MAX_BUDGET_S] (so '0s' and '1e400' never mean "now" or
+            "forever").
     """
-    units = {"s": 1, "m": 60, "h": 3600}
-    try:
-        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
-    except ValueError:
-        raise UsageError(f"--budget {text!r}: expected e.g. 90s, 10m, 1h") from None
+    match = _BUDGET.fullmatch(text)
+    if match is None:
+        raise UsageError(f"--budget {text!r}: expected e.g. 90s, 10m, 1h")
+    value = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
     if not (0 < value <= MAX_BUDGET_S):      # written so that nan fails too
         raise UsageError(f"--budget {text!r} must be positive and at most {MAX_BUDGET_S // 3600:.0f}h")
     return value
 
 
+# how long a run cut by its watchdog takes to end: 1 s for its ranks' stacks, then up to 5 s for them to exit
+# (`harness.runner`); a run is given the budget's remaining time less this, so that it has ended by the deadline
+STOP_S = 6.0
+
+
 class Deadline:
-    """A budget counted from when it is made.  ``Deadline(None)``: no budget (never spent; `cap` leaves every
-    timeout as it is).
+    """A budget counted from `start` (this module's clock; default: now).  ``Deadline(None)``: no budget (never
+    spent; `cap` leaves every timeout as it is).  A run started under it is given the time left less `STOP_S`,
+    so it has ended, stopped or not, when the budget is spent; the report comes after.
 
     Raises:
         UsageError: `text` is not a valid budget (`parse_budget`).
     """
 
-    def __init__(self, text: "str | None"):
+    def __init__(self, text: "str | None", start: "float | None" = None):
         self.text = text
         self.seconds = math.inf if text is None else parse_budget(text)
-        self._end = _clock() + self.seconds
+        self._end = (_clock() if start is None else start) + self.seconds
 
     def left(self) -> float:
-        """Seconds until the budget is spent (<= 0 once it is; inf without a budget)."""
-        return self._end - _clock()
+        """Seconds a run started now may take (the time left less `STOP_S`; <= 0: no run may start)."""
+        return self._end - STOP_S - _clock()
 
     def spent(self) -> bool:
         return self.left() <= 0
 
     def cap(self, timeout_s: float) -> float:
-        """`timeout_s`, or the seconds left if fewer: a run started now cannot outlast the budget."""
+        """`timeout_s`, or the seconds a run may still take if fewer (`left`)."""
         return min(timeout_s, max(self.left(), 0.0))
 
     def words(self) -> str:
         """'the --budget of 9m' (for reasons and progress lines)."""
         return f"the --budget of {self.text}"
+
+    def run(self, run_ranks, cfg, run_dir, timeout_s: float, launcher: str):
+        """``run_ranks(cfg, run_dir, timeout, launcher)`` (`harness.runner.run_ranks`) under this budget: not
+        started once it is spent (error ``not run: ...``), else with its watchdog capped (`cap`); a run the cap
+        stopped says so (``stopped: ...``, the watchdog's own message below), any other failure is its own."""
+        from .runner import RunOutcome
+        if self.spent():
+            return RunOutcome(False, f"not run: {self.words()} was spent before it could start", 0.0)
+        given = self.cap(timeout_s)
+        out = run_ranks(cfg, run_dir, given, launcher)
+        if not out.ok and given < timeout_s and out.error.startswith("timeout after"):
+            out = RunOutcome(False, f"stopped: {self.words()} ran out; the run had been given {given:.1f} s of it"
+                                    f"\n{out.error}", out.elapsed_s)
+        return out

@@ -14,6 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
+import harness
+
 from . import bounds, interrupt, trainers
 from .errors import UsageError
 
@@ -45,9 +47,10 @@ def _parser() -> argparse.ArgumentParser:
                         "torchrun per run, rank/world from the environment, local rank r on cuda:r")
     v.add_argument("--jobs", type=int, metavar="N", help="run at most N runs at once (default: as many as this "
                    "machine's cores carry, packed by rank count; 1: one after another)")
-    v.add_argument("--budget", metavar="DURATION", help="time for the whole command, e.g. 9m, 90s: once spent, "
-                   "no run starts and runs in flight are stopped; the runs left undone are errors ('not run'), "
-                   "the finished ones are compared and reported (an outside time limit then still leaves verdicts)")
+    v.add_argument("--budget", metavar="DURATION", help="time for the command, e.g. 9m, 90s, counted from its "
+                   "start: runs are given what is left less the ~6 s stopping one takes and none starts once that "
+                   "is spent; runs left undone are errors ('not run' / 'stopped'), the finished ones are compared "
+                   "and reported (an outside time limit then still leaves verdicts)")
     v.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)   # test-only planted faults
     g = v.add_mutually_exclusive_group()
     g.add_argument("--golden", metavar="DIR", help="also compare every run with its golden trace in DIR "
@@ -147,7 +150,7 @@ def _schedule_explain(args) -> int:
     return 0
 
 
-def _verify(args, argv) -> int:
+def _verify(args, argv, started=None) -> int:
     from .cases import load_case
     from .budget import Deadline
     from .verify import verify
@@ -160,7 +163,7 @@ def _verify(args, argv) -> int:
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
     _check_jobs(args.jobs)
-    deadline = Deadline(args.budget)        # counted from here: an outside limit counts from the command's start
+    deadline = Deadline(args.budget, started)     # an outside limit counts from the command's start
     for flag, value in (("--golden", args.golden), ("--write-golden", args.write_golden)):
         if value is not None and not value.strip():
             raise UsageError(f"{flag}: empty path")
@@ -342,7 +345,9 @@ def _one_line(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``bitparity`` console script; returns the exit code."""
+    """Entry point of the ``bitparity`` console script; returns the exit code.  `argv` None: this process's
+    command line (a --budget then counts from the process's start, `harness.STARTED`); else from this call."""
+    started = harness.STARTED if argv is None else None
     argv = sys.argv[1:] if argv is None else argv
 
     # Ctrl-C, SIGTERM (CI cancel, `timeout`): unwind so ranks get reaped
@@ -352,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             return _compare(args, argv)
         if args.command in ("verify", "fuzz"):
-            code = _verify(args, argv) if args.command == "verify" else _fuzz(args, argv)
+            code = _verify(args, argv, started) if args.command == "verify" else _fuzz(args, argv)
             interrupt.check()               # one Python swallowed on the way (harness.interrupt)
             return code
         if args.command in ("layout", "schedule"):

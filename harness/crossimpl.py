@@ -35,6 +35,7 @@ from . import trainers
 from .bounds import printable
 from .expectations import bugs_elsewhere, check_specifiers, entry_for
 from .runner import run_ranks
+from .budget import Deadline
 from .trace import Trace, TraceError, merge
 from .ulp import tensor_stats, ulp_distance
 
@@ -136,12 +137,12 @@ def scaled_ulp(a, b) -> float:
     return float(err.max()) / unit if unit > 0 else (0.0 if err.max() == 0 else math.inf)
 
 
-def _run(cfg: RunConfig, step: int, run_dir: Path, timeout: float, launcher: str):
+def _run(cfg: RunConfig, step: int, run_dir: Path, timeout: float, launcher: str, deadline: Deadline):
     cfg = cfg.model_copy(update={
         "dump": DumpConfig(step=step, keys=["*"], max_bytes=MAX_DUMP_BYTES), "checkpoint": None, "resume_from": None,
         "training": cfg.training.model_copy(update={"train_iters": step + 1})})
     shutil.rmtree(run_dir, ignore_errors=True)
-    out = run_ranks(cfg, run_dir, timeout, launcher)
+    out = deadline.run(run_ranks, cfg, run_dir, timeout, launcher)
     if not out.ok:
         raise RuntimeError(f"{cfg.trainer} run failed: {out.error.splitlines()[0]}")
     from safetensors.torch import load_file
@@ -234,7 +235,7 @@ def not_run(spec: CrossImplementationSpec, cfg: RunConfig, reason: str) -> dict:
 
 
 def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: float, launcher: str,
-        progress: Callable[[str], None] = print) -> dict:
+        progress: Callable[[str], None] = print, deadline: Deadline = Deadline(None)) -> dict:
     """Run `cfg` (the chosen variant's config) with its own trainer and with the other one, each dumping every
     parameter's gradient and updated value at ``spec.step``, and compare them (`compare`).  Returns the record
     (``verdict`` pass / fail / error, ``reason``, per-loss and per-tensor rows, ``headline``)."""
@@ -243,9 +244,9 @@ def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: floa
     base = _base(spec, cfg)
     try:
         progress(f"[cross-implementation] {first} vs {second} at step {spec.step} ({spec.params_dtype}) ...")
-        a, ta, ea = _run(cfg, spec.step, work / first, timeout, launcher)
+        a, ta, ea = _run(cfg, spec.step, work / first, timeout, launcher, deadline)
         b, tb, eb = _run(cfg.model_copy(update={"trainer": second, "inject": None}), spec.step,
-                         work / second, timeout, launcher)
+                         work / second, timeout, launcher, deadline)
         rec = compare(a, ta, b, tb, spec.step, spec.max_ulp, (first, second))
         rec.update(base, elapsed_s={first: ea, second: eb})
         megatron = cfg if first == "megatron-core" else cfg.model_copy(update={"trainer": second})

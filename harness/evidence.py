@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from trainerkit.config import DumpConfig, RunConfig
 
 from .runner import run_ranks
+from .budget import Deadline
 from .trace import Trace
 from .ulp import tensor_stats
 
@@ -28,11 +29,12 @@ def diverging_keys(ref: Trace, other: Trace, step: int, limit: int = MAX_TENSORS
     return keys[:limit]
 
 
-def _dump(cfg: RunConfig, keys: list[str], step: int, run_dir: Path, timeout: float, launcher: str) -> dict:
+def _dump(cfg: RunConfig, keys: list[str], step: int, run_dir: Path, timeout: float, launcher: str,
+          deadline: Deadline) -> dict:
     cfg = cfg.model_copy(update={
         "dump": DumpConfig(step=step, keys=keys, max_bytes=MAX_BYTES), "checkpoint": None,
         "training": cfg.training.model_copy(update={"train_iters": step + 1})})
-    out = run_ranks(cfg, run_dir, timeout, launcher)
+    out = deadline.run(run_ranks, cfg, run_dir, timeout, launcher)
     if not out.ok:
         raise RuntimeError(out.error.splitlines()[0])
     tensors: dict = {}
@@ -42,14 +44,14 @@ def _dump(cfg: RunConfig, keys: list[str], step: int, run_dir: Path, timeout: fl
 
 
 def collect(ref_cfg: RunConfig, cfg: RunConfig, ref: Trace, other: Trace, step: int, work: Path,
-            timeout: float, launcher: str) -> list[dict]:
+            timeout: float, launcher: str, deadline: Deadline = Deadline(None)) -> list[dict]:
     """Per diverging tensor at `step`: {key, what: "grad"|"param", **tensor_stats}.  Raises RuntimeError when
-    a re-run fails."""
+    a re-run fails or the `deadline` (`harness.budget`) leaves it no time (its message says so)."""
     keys = diverging_keys(ref, other, step)
     if not keys:
         return []
-    a = _dump(ref_cfg, keys, step, work / "reference", timeout, launcher)
-    b = _dump(cfg, keys, step, work / "variant", timeout, launcher)
+    a = _dump(ref_cfg, keys, step, work / "reference", timeout, launcher, deadline)
+    b = _dump(cfg, keys, step, work / "variant", timeout, launcher, deadline)
     rows = []
     for key in keys:
         for what in ("grad", "param"):

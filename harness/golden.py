@@ -280,15 +280,22 @@ def check(loaded: dict, directory: Path, traces: dict, family: str) -> tuple[dic
                          f"first difference from the golden (golden vs this run): step {fd.step} {fd.kind} "
                          f"{fd.name}: {fd.detail}"}
     bad = [n for n, r in per.items() if r["status"] != "equal"]
-    unchecked = bool(bad) and all(per[n]["status"] == "unchecked" for n in bad)
+    # a run that did not complete (an error, or left undone by --budget) has no bits to check: not a difference
+    not_run = [n for n in bad if per[n]["status"] == "not run"]
+    differ = [n for n in bad if n not in not_run]
+    unchecked = bool(bad) and all(per[n]["status"] in ("unchecked", "not run") for n in bad)
+    words = [f"{len(differ)} of {len(per)} run(s) not bitwise equal to their golden: {', '.join(differ[:3])}"] \
+        if differ else []
+    words += [f"{len(not_run)} of {len(per)} run(s) did not complete, not checked: {', '.join(not_run[:3])}"] \
+        if not_run else []
     case = {"dir": str(directory), "environment": "same", "recorded": index.get("recorded", {}),
             "checked_on": checked_on, "verdict": "unchecked" if unchecked else "fail" if bad else "pass",
-            "detail": f"{len(bad)} of {len(per)} run(s) not bitwise equal to their golden: {', '.join(bad[:3])}"
-            if bad else f"{len(per)} run(s) bitwise equal to their goldens"}
-    if unchecked:
+            "detail": "; ".join(words) if bad else f"{len(per)} run(s) bitwise equal to their goldens"}
+    if unchecked and differ:
         case["detail"] = (f"goldens checked on {', '.join(checked_on) or 'no CPU family'}, never on {family}: "
-                          f"{len(bad)} of {len(per)} run(s) differ, not counted as a code change (confirm the "
-                          "goldens on this family from a known-good commit: `make golden`)")
+                          f"{len(differ)} of {len(per)} run(s) differ, not counted as a code change (confirm the "
+                          "goldens on this family from a known-good commit: `make golden`)"
+                          + (f"; {words[-1]}" if not_run else ""))
     elif not bad and not known:
         case["detail"] += f" (first check on {family}: `make golden` adds it to checked_on)"
     return case, per

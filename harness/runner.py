@@ -10,7 +10,7 @@ itself die (any signal, SIGKILL included), the forkserver, torchrun and every ra
 from __future__ import annotations
 
 import multiprocessing as mp
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 import os
 import re
 import signal
@@ -69,8 +69,20 @@ def preload(configs) -> None:
     _CTX.set_forkserver_preload(modules)
     # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
     # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
-    # (harness.pool) would be killed when that thread ends, and the next run would find it gone
-    forkserver.ensure_running()
+    # (harness.pool) would be killed when that thread ends, and the next run would find it gone.
+    # With SIGINT blocked, which the new interpreter inherits through fork and exec (multiprocessing's resource
+    # tracker is started the same way): a Ctrl-C while it still starts up (site, the preload imports) would
+    # end it with "Fatal Python error: init_import_site" and a traceback on the user's terminal (seen under
+    # load); it stays blocked there and in the ranks forked from it, which ignore SIGINT anyway
+    # (trainerkit.process.guard_forkserver) and are ended by the harness.  The harness's own Ctrl-C waits
+    # the few milliseconds of the spawn and arrives when the mask is restored.
+    # (the resource tracker first: starting it unblocks SIGINT and SIGTERM in the calling thread)
+    resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @dataclass

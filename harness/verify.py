@@ -103,13 +103,10 @@ def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launch
     time for is not run: ``deterministic`` None (unchecked, `judge` makes it an error)."""
     for k in range(2, run.spec.repeat + 1):
         rdir = run_dir / f"repeat{k}"
-        if deadline.spent():
+        outcome = deadline.run(run_ranks, run.config, rdir, timeout, launcher)
+        if not outcome.ok and outcome.error.startswith(("not run:", "stopped:")):
             return {"runs": k - 1, "deterministic": None, "first_divergence": None,
-                    "detail": f"repeat {k} not run: {deadline.words()} was spent"}
-        outcome = run_ranks(run.config, rdir, deadline.cap(timeout), launcher)
-        if not outcome.ok and deadline.spent():
-            return {"runs": k - 1, "deterministic": None, "first_divergence": None,
-                    "detail": f"repeat {k} stopped: {deadline.words()} ran out"}
+                    "detail": f"repeat {k} {outcome.error.splitlines()[0]}"}
         if not outcome.ok:
             return {"runs": k, "deterministic": False, "first_divergence": None,
                     "detail": f"repeat {k} did not complete: {outcome.error.splitlines()[0]}"}
@@ -203,10 +200,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
                  f"V={run.layout.virtual_pipeline_model_parallel_size}{f' DP={dp}' if dp > 1 else ''}"
                  f"{f' EP={ep}' if ep > 1 else ''} "
                  f"{run.layout.text} ...")
-        outcome = run_ranks(run.config, work / dirs[name], deadline.cap(timeout), launcher)
-        if not outcome.ok and deadline.spent():
-            outcome = RunOutcome(False, f"stopped: {deadline.words()} ran out {outcome.elapsed_s:.0f} s into the "
-                                 f"run\n{outcome.error}", outcome.elapsed_s)
+        outcome = deadline.run(run_ranks, run.config, work / dirs[name], timeout, launcher)
         trace = None
         if outcome.ok:
             try:
@@ -269,14 +263,11 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             reason += f"; localised: {where['message']}"
         evidence, evidence_error = [], ""
         # a run that states a bug shows how far it moved (the report's "caught" line), as a failure does
-        if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all or run.spec.bug) \
-                and deadline.spent():
-            evidence_error = f"not collected: {deadline.words()} was spent"
-        elif fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all or run.spec.bug):
+        if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all or run.spec.bug):
             progress(f"      collecting ULP evidence at step {fd.step} ...")
             try:
                 evidence = collect_evidence(plan_configs[ref_name], run.config, ref, trace, fd.step,
-                                            work / dirs[name] / "evidence", deadline.cap(timeout), launcher)
+                                            work / dirs[name] / "evidence", timeout, launcher, deadline)
             except RuntimeError as e:
                 evidence_error = str(e)
         variants.append(VariantResult(
@@ -313,8 +304,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         cross = crossimpl.not_run(spec, chosen.config, f"not run: {deadline.words()} was spent")
         progress(f"[cross-implementation] {cross['reason']}")
     elif chosen is not None:
-        cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", deadline.cap(timeout), launcher,
-                              progress)
+        cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", timeout, launcher, progress,
+                              deadline)
         (work / "cross-implementation" / "cross_implementation.json").write_text(json.dumps(cross, indent=1))
     golden_record = golden.apply(goldens, plan, env, traces, variants, dirs, progress)
     for v in variants:

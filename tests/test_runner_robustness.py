@@ -226,6 +226,24 @@ def _default_signals() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+def test_the_forkserver_is_born_with_sigint_blocked():
+    """A Ctrl-C while the forkserver's interpreter still starts must not reach it (it printed "Fatal Python error:
+    init_import_site" and a traceback, seen once under load, 3 s into a run): `runner.preload` spawns it with
+    SIGINT blocked, read here from the kernel's view of the process (/proc/PID/status SigBlk)."""
+    code = textwrap.dedent("""
+        from harness.cases import load_case
+        from harness.runner import preload
+        from multiprocessing import forkserver
+        preload(r.config for r in load_case("cases/smoke.yaml").runs)
+        pid = forkserver._forkserver._forkserver_pid
+        blocked = next(l for l in open(f"/proc/{pid}/status") if l.startswith("SigBlk:")).split()[1]
+        print(int(blocked, 16))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.split()[-1]) & (1 << (signal.SIGINT - 1)), proc.stdout
+
+
 def test_an_interrupt_python_swallowed_still_stops_the_harness():
     """A KeyboardInterrupt raised inside a __del__ or weakref callback (importlib's module lock, on CI) is
     printed as "Exception ignored" and dropped; the harness's waiting loops still stop (harness.interrupt)."""
