@@ -291,6 +291,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             bug_elsewhere=bugs_elsewhere(run)))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env.update(plan.facts(), launcher=launcher)
+    if deadline.text is not None:            # the report says the runs had a time limit (not a fact of the bits)
+        env["budget"] = deadline.text
     for role in ("head", "base"):
         if role in (plan.megatron_sources or {}):
             env[f"megatron_{role}"] = megatron_source_words(plan.megatron_sources[role])

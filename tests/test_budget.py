@@ -56,6 +56,8 @@ def _verify(tmp_path, *flags):
     out = tmp_path / "out"
     rc = cli.main(["verify", SMOKE, "--out", str(out), "--jobs", "1", "--only", "pp4-mtp-standalone", *flags])
     summary = json.loads((out / "smoke" / "summary.json").read_text())
+    budget_flag = flags[flags.index("--budget") + 1] if "--budget" in flags else None
+    assert summary["environment"].get("budget") == budget_flag          # the report says a budget applied
     return rc, {v["name"]: v for v in summary["variants"]}, out / "smoke"
 
 
@@ -81,6 +83,8 @@ def test_budget_spent_before_any_run_still_writes_the_report(tmp_path, clock, mo
     assert all(v["reason"].startswith("not run: the --budget of 0.5s was spent before it could start")
                for v in runs.values()), runs
     assert (report / "index.html").is_file()
+    assert "not run: the --budget" in (report / "summary.md").read_text()
+    assert "error error" not in (report / "summary.md").read_text()        # the verdict once, not as outcome too
     assert ET.parse(report / "junit.xml").getroot().get("errors") == "2"
 
 

@@ -93,7 +93,7 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         lines.append(f"| {name} | {md_cell(v.layout)} | {int(v.pp)} | {int(v.vpp)} | "
                      f"{md_cell(v.reductions)} | {md_cell(clip_words(v.clip_grad))} | "
                      f"{md_cell(v.expect)} | {_VERDICT_MD.get(v.verdict, md_cell(v.verdict))}"
-                     f"{' ' + md_cell(v.outcome) if v.outcome else ''} | {fd} |")
+                     f"{' ' + md_cell(v.outcome) if v.outcome and v.outcome != v.verdict else ''} | {fd} |")
     lines += _notes(result)
     lines += cross_implementation_markdown(result.cross_implementation)
     lines += ["", f"[Full report]({report_link.replace(' ', '%20').replace(')', '%29')})", ""]
