@@ -67,13 +67,23 @@ class Deadline:
         """'the --budget of 9m' (for reasons and progress lines)."""
         return f"the --budget of {self.text}"
 
+    def not_started(self):
+        """The `harness.runner.RunOutcome` of a run this budget left no time to start (error ``not run: ...``)."""
+        from .runner import RunOutcome
+        return RunOutcome(False, f"not run: {self.words()} was spent before it could start", 0.0)
+
+    @staticmethod
+    def undone(outcome) -> bool:
+        """Whether a failed run's `outcome` is the budget's doing (``not run: ...`` / ``stopped: ...``, `run`)."""
+        return not outcome.ok and outcome.error.startswith(("not run: ", "stopped: "))
+
     def run(self, run_ranks, cfg, run_dir, timeout_s: float, launcher: str):
         """``run_ranks(cfg, run_dir, timeout, launcher)`` (`harness.runner.run_ranks`) under this budget: not
-        started once it is spent (error ``not run: ...``), else with its watchdog capped (`cap`); a run the cap
-        stopped says so (``stopped: ...``, the watchdog's own message below), any other failure is its own."""
+        started once it is spent (`not_started`), else with its watchdog capped (`cap`); a run the cap stopped
+        says so (``stopped: ...``, the watchdog's own message below), any other failure is its own."""
         from .runner import RunOutcome
         if self.spent():
-            return RunOutcome(False, f"not run: {self.words()} was spent before it could start", 0.0)
+            return self.not_started()
         given = self.cap(timeout_s)
         out = run_ranks(cfg, run_dir, given, launcher)
         if not out.ok and given < timeout_s and out.error.startswith("timeout after"):

@@ -104,7 +104,7 @@ def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launch
     for k in range(2, run.spec.repeat + 1):
         rdir = run_dir / f"repeat{k}"
         outcome = deadline.run(run_ranks, run.config, rdir, timeout, launcher)
-        if not outcome.ok and outcome.error.startswith(("not run:", "stopped:")):
+        if Deadline.undone(outcome):
             return {"runs": k - 1, "deterministic": None, "first_divergence": None,
                     "detail": f"repeat {k} {outcome.error.splitlines()[0]}"}
         if not outcome.ok:
@@ -190,7 +190,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         ep, dp = run.config.parallel.expert_model_parallel_size, run.config.parallel.data_parallel_size
         who = "" if run.config.trainer == "reference" else f" [{run.config.trainer}]"
         if deadline.spent():
-            outcome = RunOutcome(False, f"not run: {deadline.words()} was spent before it could start", 0.0)
+            outcome = deadline.not_started()
             (work / dirs[name]).mkdir(parents=True, exist_ok=True)
             (work / dirs[name] / "manifest.json").write_text(
                 json.dumps(_manifest(plan, run, outcome, None, env, reproduce[name], schedules[name]), indent=1))
@@ -303,7 +303,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     if spec and chosen is None:
         progress(f"[cross-implementation] skipped: variant {spec.variant or base_name!r} is not among the runs (--only)")
     if chosen is not None and deadline.spent():
-        cross = crossimpl.not_run(spec, chosen.config, f"not run: {deadline.words()} was spent")
+        cross = crossimpl.not_run(spec, chosen.config, deadline.not_started().error)
         progress(f"[cross-implementation] {cross['reason']}")
     elif chosen is not None:
         cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", timeout, launcher, progress,
