@@ -95,6 +95,7 @@ def test_a_bug_the_same_on_every_layout_is_caught_only_by_the_other_implementati
     assert proc.returncode == 1
 
 
+@pytest.mark.arithmetic_free
 def test_cross_implementation_step_other_than_0_is_refused(tmp_path):
     """Only step 0 starts both trainers from identical weights: a later step is one line, exit 2."""
     pytest.importorskip("megatron.core")

@@ -385,6 +385,7 @@ def test_activation_capture_with_ep(tmp_path):
     assert "0/decoder.layers.2.output" in trace["steps"][0]["activations"]
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("change, fragment", [
     ("expert_model_parallel_size: 3", "num_moe_experts=8 is not divisible by expert_model_parallel_size=3"),
     ("expert_model_parallel_size: 4", "seq_length*micro_batch_size=6 is not divisible by expert_model_parallel_size=4"),

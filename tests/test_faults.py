@@ -190,6 +190,7 @@ def test_junit_counts_the_failures(report):
 # unit tests: catalogue, inventory, replica status, verdicts (no processes)
 # --------------------------------------------------------------------------------------------------
 
+@pytest.mark.arithmetic_free
 def test_catalogue_names_are_documented_and_checked():
     for name in faults.FAULTS:
         assert f"``{name}``" in faults.__doc__, name
@@ -251,6 +252,7 @@ def test_replica_status_walks_init_grads_then_params():
     assert none["consistent"] is True and none["replicas"] == []
 
 
+@pytest.mark.arithmetic_free
 def test_judge_structural_rules():
     from types import SimpleNamespace
 

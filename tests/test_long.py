@@ -53,6 +53,7 @@ def test_the_long_profile_catches_a_bug_that_three_steps_miss(tmp_path):
         assert proc.returncode == 0 and short["bitwise_equal"] is True, short
 
 
+@pytest.mark.arithmetic_free
 def test_train_iters_is_validated(tmp_path, cli):
     (tmp_path / "long.yaml").write_text(CASE.replace("pipeline_model_parallel_size: 4}",
                                                      "pipeline_model_parallel_size: 4, expect: may_diverge, "

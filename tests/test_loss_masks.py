@@ -81,6 +81,7 @@ def test_the_reference_trainer_trains_through_an_empty_microbatch_in_both_normal
     assert [(mb, n, h) for mb, n, h in losses["pp2"][1] if mb == 2] == [(2, 0, "0x00000000")]
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("data,fragments", [
     ("{empty_microbatches: [[0, 4]]}", ["empty_microbatches [0, 4]", "0..3"]),
     ("{empty_microbatches: [[5, 0]]}", ["empty_microbatches [5, 0]", "steps 0..0"]),

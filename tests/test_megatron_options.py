@@ -18,6 +18,8 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from conftest import ROOT, run_cli  # noqa: E402
+from harness.cases import load_case  # noqa: E402
+from harness.errors import UsageError  # noqa: E402
 from test_cli_errors import _check_usage_error  # noqa: E402
 
 pytestmark = [pytest.mark.megatron]
@@ -83,13 +85,31 @@ def _header(out, name: str) -> dict:
     (f"moe_z_loss_coeff: '{'x' * 500}'", ["'moe_z_loss_coeff'", "..."]),
 ])
 def test_a_bad_option_is_one_line_naming_it(tmp_path, option, fragments):
-    """Refused before anything runs; each of these (but the misspelling and the types) passed megatron's config
-    checks and then failed inside every rank, or passed as another value than the case wrote."""
+    """Refused by the case's validation, before anything runs; each of these (but the misspelling and the types)
+    passed megatron's config checks and then failed inside every rank, or passed as another value than the case
+    wrote.  In this process (megatron-core is imported once, not once per option: ~5 s for all against ~20 s each
+    through the command line); the command line's handling of the same error is the test below."""
+    with pytest.raises(UsageError) as refused:
+        load_case(_bad_option_case(tmp_path, option))
+    message = str(refused.value)
+    assert "\n" not in message and "variant 'v'" in message, message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+@pytest.mark.parametrize("option,fragment", [("moe_router_load_balancing_typ: aux_loss", "did you mean"),
+                                             ("min_lr: 0.5", "megatron-core rejects this run")])
+def test_a_bad_option_is_one_line_from_the_command_line(tmp_path, option, fragment):
+    """Exit 2, one line, nothing written: a name misspelt, and a value megatron-core's own code refuses."""
+    case = _bad_option_case(tmp_path, option)
+    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out", "variant 'v'", fragment)
+
+
+def _bad_option_case(tmp_path, option: str):
     case = tmp_path / "case.yaml"
     case.write_text(f"extends: {SMALL}\nvariants:\n  - {{name: v, pipeline_model_parallel_layout: 'Et|t|t|tmL', "
                     f"pipeline_model_parallel_size: 2, megatron: {{{option}}}}}\n")
-    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out", "variant 'v'",
-                       *fragments)
+    return case
 
 
 def test_the_reference_trainer_and_the_cross_implementation_check_name_what_they_cannot_run(tmp_path):

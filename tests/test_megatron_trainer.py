@@ -355,6 +355,7 @@ def compat_probe():
     return out
 
 
+@pytest.mark.arithmetic_free
 def test_compat_applies_to_the_installed_megatron(compat_probe):
     base = _not_needed_here()
     none = compat_probe["none"]
@@ -367,6 +368,7 @@ def test_compat_applies_to_the_installed_megatron(compat_probe):
     assert "2" in cuda["applied"] and not {"1", "4", "5", "6", "8"} & set(cuda["applied"])
 
 
+@pytest.mark.arithmetic_free
 def test_compat_refuses_another_megatron_version(compat_probe):
     result = compat_probe["version"]
     assert result["raised"] == "CompatError", result
@@ -375,6 +377,7 @@ def test_compat_refuses_another_megatron_version(compat_probe):
     assert result["patched"] is False           # refused before any point is applied
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("point", MOVED)
 def test_compat_point_names_itself_when_megatron_changed(compat_probe, point):
     result = compat_probe[point]
@@ -383,6 +386,7 @@ def test_compat_point_names_itself_when_megatron_changed(compat_probe, point):
     assert "update megatron_trainer/compat.py" in result["message"]
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("point", FIXED)
 def test_compat_point_fixed_upstream_is_skipped_and_recorded(compat_probe, point):
     result, base = compat_probe[point], _not_needed_here()
@@ -405,6 +409,7 @@ BAD = {
 }
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("what", list(BAD))
 def test_unsupported_runs_are_one_line_usage_errors(tmp_path, what):
     key, fragments = BAD[what]
@@ -416,6 +421,7 @@ def test_unsupported_runs_are_one_line_usage_errors(tmp_path, what):
                        "megatron-core", *fragments)
 
 
+@pytest.mark.arithmetic_free
 def test_fuzz_plants_only_the_megatron_trainers_faults(tmp_path):
     """`bitparity fuzz --inject` on a megatron-core case knows the megatron trainer's faults, not the reference's
     (a reference fault there would be ignored by every run: 'no layout differed')."""

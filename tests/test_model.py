@@ -601,6 +601,7 @@ def test_parse_moe_layer_freq_forms():
     assert parse_moe_layer_freq([0, 1, 1], 3) == [0, 1, 1]
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("value, n", [("[0]*3+[1]*57", 61), ("[0]*3+[1]*58", 60), ("[2]*4", 4), ("0*4", 4),
                                       ("[0]*3+", 4), ("[0]*x", 4), ("[]*4", 4), ("[0]**4", 4), ("", 4),
                                       ("[0]*3;[1]", 4), ([0, 1], 3), (0, 4)])
@@ -615,6 +616,7 @@ def test_model_config_defaults_valid_and_moe_layers():
     assert ModelConfig().moe_layers == [1, 1, 1, 1]
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("bad", [
     dict(unknown_key=1),
     dict(num_moe_expert=8),                                      # typo of a real key
@@ -634,6 +636,7 @@ def test_model_config_rejects(bad):
         ModelConfig(**bad)
 
 
+@pytest.mark.arithmetic_free
 def test_model_config_frozen():
     cfg = ModelConfig()
     with pytest.raises(pydantic.ValidationError):
@@ -665,6 +668,7 @@ def test_names_family(name, fam):
     assert fam in names.FAMILIES
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("name", ["foo.weight", "decoder.layers.0.mystery.weight", "weight"])
 def test_names_family_rejects_unknown(name):
     with pytest.raises(ValueError):

@@ -35,6 +35,7 @@ def test_square_root_is_correctly_rounded():
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.arithmetic_free
 def test_square_root_refuses_reduced_precision():
     with pytest.raises(TypeError, match="bfloat16"):
         sqrt_correctly_rounded(torch.ones(3, dtype=torch.bfloat16))

@@ -55,6 +55,7 @@ def test_overlap_schedules_simulate_and_never_pair_one_chunk_microbatch(pp, vpp,
     assert sum(c.end - c.start for c in cells) == pytest.approx(3 * stages * m)
 
 
+@pytest.mark.arithmetic_free
 def test_simulator_rejects_a_pair_of_the_same_chunk_and_microbatch():
     """Without Megatron's extra warmup microbatch the last rank would pair F and B of one (chunk, mb)."""
     from trainerkit.schedule import Action
@@ -66,6 +67,7 @@ def test_simulator_rejects_a_pair_of_the_same_chunk_and_microbatch():
         simulate(lists)
 
 
+@pytest.mark.arithmetic_free
 def test_overlap_needs_vpp_when_pipelined():
     with pytest.raises(ScheduleError, match="interleaved layout"):
         build_schedule(_layout("Etttt|ttttmL", 2), 4, 8, 1, 16, overlap=True)
@@ -120,6 +122,7 @@ def test_node_by_node_equals_one_graph_bitwise():
         assert torch.equal(plain[name], delayed[name]), name
 
 
+@pytest.mark.arithmetic_free
 def test_plan_nodes_must_run_in_order():
     layout = PipelineLayout.from_string("Et*4mL", 1, 4, 1)
     chunk = StageChunk(CFG, layout, 0, 4)
@@ -236,6 +239,7 @@ def test_planted_overlap_defect_is_caught_at_the_first_loss_and_localised(summar
     assert variants["planted-plain"]["bitwise_equal"]  # the defect lives on the overlapped path only
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("variant,message", [
     ('{name: v, pipeline_model_parallel_layout: "Ett|ttmL", pipeline_model_parallel_size: 2, '
      'overlap_moe_expert_parallel_comm: true}', "needs an interleaved layout"),
@@ -250,6 +254,7 @@ def test_impossible_overlap_configs_are_one_line_errors(tmp_path, variant, messa
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.arithmetic_free
 def test_overlap_restrictions_on_the_model():
     from trainerkit.config import overlap_problem
     assert overlap_problem(CFG, True, True) is None

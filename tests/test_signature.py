@@ -80,6 +80,7 @@ def test_lines_are_capped():
     assert len(out) == 21 and out[-1] == "… and 5 more" and out[0] == "step 0 grad decoder.layers.0.mlp.router.weight"
 
 
+@pytest.mark.arithmetic_free
 def test_signature_names_are_checked(tmp_path, cli):
     bad = CASE.replace("first_divergence: {step: 0,", "signature: [{from_step: 5}], first_divergence: {step: 0,")
     (tmp_path / "bad.yaml").write_text(bad)
@@ -121,6 +122,7 @@ def test_a_wrong_mtp_loss_scale_behind_an_expected_divergence_fails(tmp_path):
     assert p1["first_divergence"]["name"] == "output_layer.weight", p1["first_divergence"]
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("signature, words", [
     ("[{step: 0, from_step: 1}]", "step and from_step together"),
     ("[{kind: grad_norm, name: embedding.word_embeddings.weight}]", "kind grad_norm has no parameter name"),

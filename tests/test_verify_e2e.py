@@ -149,6 +149,7 @@ def _gone(pid):
     return "zombie" in status  # reaped by its parent shortly; never running
 
 
+@pytest.mark.arithmetic_free
 def test_crashed_and_hung_ranks_end_as_errors(tmp_path):
     case = tmp_path / "watch.yaml"
     case.write_text(FAULTS.replace("timeout_s: 120", "timeout_s: 20").split("variants:")[0] + textwrap.dedent("""\

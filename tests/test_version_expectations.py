@@ -90,6 +90,7 @@ def test_mtp_on_pp_rank_0_is_megatron_rules_only():
     assert layout.rank_of(2) == (0, 1)
 
 
+@pytest.mark.arithmetic_free
 @pytest.mark.parametrize("extra,fragments", [
     ("megatron_versions: [{versions: 'newer than 0.17', expect: bitwise}]",
      ["variant 'v'", "megatron_versions.0.versions", "PEP 440"]),
