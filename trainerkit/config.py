@@ -337,13 +337,13 @@ class RunConfig(_Strict):
     @classmethod
     def _megatron_values(cls, v):
         # before the typed check, whose Union reports its first member ("should be a valid boolean") for a NaN or
-        # a mapping: name the option and the real problem
+        # a mapping: name the option and the real problem (the error's place already reads "megatron: ")
         for name, value in (v.items() if isinstance(v, dict) else []):
             for x in (value if isinstance(value, list) else [value]):
                 if isinstance(x, float) and not math.isfinite(x):
-                    raise ValueError(f"megatron option {name!r}: {x} is not finite")
+                    raise ValueError(f"option {name!r}: {x} is not finite")
                 if isinstance(x, (dict, list)):
-                    raise ValueError(f"megatron option {name!r}: a {'mapping' if isinstance(x, dict) else 'nested list'} "
+                    raise ValueError(f"option {name!r}: a {'mapping' if isinstance(x, dict) else 'nested list'} "
                                      "is not an option value (a scalar, or a list of scalars)")
         return v
 
