@@ -33,6 +33,9 @@ starts from another case and deep-merges this file's mappings over it)::
                                      # [{...}, {...}] allows any one of several places
         signature: [{step: 0, kind: grad, name: ...}, {from_step: 1}]   # everything that may differ
                                      # (harness.signature; default: derived from first_divergence)
+        replica_drift: {name: embedding.word_embeddings.weight@mtp, step: 0}   # a replica stated to train
+                                     # apart (an upstream bug); any other replica drift fails the run, whatever
+                                     # its expect (harness.judge), and a stated one that does not happen too
 
     ``may_diverge`` is the honest statement about rounding: the run may be bitwise equal, and if it is not, its
     first divergence must be the one given (so nothing differs before it).  Use it wherever a difference
@@ -48,7 +51,7 @@ starts from another case and deep-merges this file's mappings over it)::
         bug: "Megatron-LM d7500d4d2a"  # the upstream bug this run states (the report shows it with what moved)
         megatron_versions:           # what holds on other megatron-core versions (first match): expect,
           - {versions: "<0.17", expect: not_finite, first_divergence: {step: 1, kind: loss, name: mtp_1}}
-                                     # first_divergence, signature, bug; expect: not_finite = the run must stop
+                                     # first_divergence, signature, replica_drift, bug; expect: not_finite = the run must stop
                                      # being finite there (a bug caught)
 
 `harness.cases` plans what passes the schema: layouts, schedules, sizes, trainers, megatron's own validators.
@@ -84,6 +87,23 @@ class ExpectedDivergence(_Strict):
     max_ulp: Optional[int] = Field(None, ge=0)
 
 
+class ReplicaDrift(_Strict):
+    """A replica stated to train apart from its original (an upstream bug, e.g. Megatron-LM e0afe89a75: with
+    ``decoupled_lr`` the MTP stage's word-embedding copy trains at the base LR): the run passes its replica check
+    only when the first broken replica (`harness.compare.replica_status`) is `name` (a trace key with its replica
+    tag, ``embedding.word_embeddings.weight@mtp``) from `step` (None: any step), and fails when every replica
+    matches (the bug is not caught)."""
+
+    name: str = Field(min_length=1, max_length=300)
+    step: Optional[int] = Field(None, ge=0)
+    _name_printable = field_validator("name")(bounds.printable)
+
+
+def _one_or_more(v):
+    """A single place written as a mapping is a list of one (``first_divergence: {kind: grad}``)."""
+    return [v] if isinstance(v, dict) else v
+
+
 class ResumeSpec(_Strict):
     """Start from the checkpoint that run `variant` saves after step `after_step` (any layout: checkpoints
     use global parameter names); the resumed steps are compared with this variant's reference run."""
@@ -102,15 +122,12 @@ class VersionExpectation(_Strict):
     expect: Literal["bitwise", "may_diverge", "diverge", "not_finite"]
     first_divergence: Optional[list[ExpectedDivergence]] = None
     signature: Optional[list[SignaturePlace]] = None
+    replica_drift: Optional[list[ReplicaDrift]] = None
     bug: Optional[str] = Field(None, max_length=300)
     _printable = field_validator("versions", "bug")(bounds.printable)
 
     _specifiers = field_validator("versions")(check_specifiers)
-
-    @field_validator("first_divergence", mode="before")
-    @classmethod
-    def _one_or_more(cls, v):
-        return [v] if isinstance(v, dict) else v
+    _lists = field_validator("first_divergence", "replica_drift", mode="before")(_one_or_more)
 
 
 class VariantSpec(_Strict):
@@ -130,6 +147,8 @@ class VariantSpec(_Strict):
     # one place, or a list of places any one of which may be the first divergence
     first_divergence: Optional[list[ExpectedDivergence]] = None
     signature: Optional[list[SignaturePlace]] = None    # everything that may differ (harness.signature)
+    # replicas stated to train apart from their originals (an upstream bug); any other drift fails the run
+    replica_drift: Optional[list[ReplicaDrift]] = None
     inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
     compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
     repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
@@ -142,15 +161,11 @@ class VariantSpec(_Strict):
     # the upstream bug this run exposes (a Megatron-LM commit or issue): the report shows it beside the verdict
     bug: Optional[str] = Field(None, max_length=300)
     # what holds on other megatron versions: the first entry whose `versions` (PEP 440) match the run's
-    # megatron-core replaces expect / first_divergence / signature / bug (harness.expectations.for_version)
+    # megatron-core replaces expect / first_divergence / signature / replica_drift / bug (harness.expectations.resolve)
     megatron_versions: list[VersionExpectation] = Field(default_factory=list, max_length=16)
     # names reach the terminal and the report: an ANSI escape or a newline in one is rejected, not printed
     _names_printable = field_validator("name", "compare_to", "inject", "bug")(bounds.printable)
-
-    @field_validator("first_divergence", mode="before")
-    @classmethod
-    def _one_or_more(cls, v):
-        return [v] if isinstance(v, dict) else v
+    _lists = field_validator("first_divergence", "replica_drift", mode="before")(_one_or_more)
 
 
 class CaseSpec(_Strict):

@@ -285,12 +285,13 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         training = TrainingConfig.model_validate({**spec.training.model_dump(), **v.options})
     except ValidationError as e:
         raise UsageError(f"{where}: options.{_loc(e)}") from None
-    expectations.check(where, v.expect, v.first_divergence, is_baseline, spec.model, training, v.signature)
+    expectations.check(where, v.expect, v.first_divergence, is_baseline, spec.model, training, v.signature,
+                       v.replica_drift)
     for i, e in enumerate(v.megatron_versions):
         if is_baseline:
             raise UsageError(f"{where}: the baseline cannot carry an expectation (megatron_versions)")
         expectations.check(f"{where}: megatron_versions[{i}] ({e.versions})", e.expect, e.first_divergence, False,
-                           spec.model, training, e.signature)
+                           spec.model, training, e.signature, e.replica_drift)
     training = training.model_copy(update={"data": _beside(path, training.data)})
     if training.data != spec.training.data:
         try:

@@ -81,30 +81,32 @@ def replica_status(trace: Trace) -> dict:
     parallelism the ``@ep{r}`` copies of every non-expert parameter) matches its original within one run: same shape/dtype/weight-decay group, same initial value, and after every step
     the same gradient (after the replica sum) and the same value after the optimizer step.
 
-    Returns ``{"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}``;
+    Returns ``{"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}``, with
+    ``"replica"``: the first broken replica's key when inconsistent;
     a run without replicas is consistent.  A broken replica means the copies train apart: the MTP stage
     then looks up embeddings the first stage no longer has.
     """
     pairs = [(k, trace.params[k]["name"]) for k in trace.order if trace.params[k]["replica"] is not None]
     replicas = [k for k, _ in pairs]
 
-    def broken(step, detail):
-        return {"consistent": False, "first_broken_step": step, "replicas": replicas, "detail": detail}
+    def broken(step, detail, key):
+        return {"consistent": False, "first_broken_step": step, "replica": key, "replicas": replicas,
+                "detail": detail}
     for key, orig in pairs:
         if orig not in trace.params:
-            return broken(0, f"{key}: its original {orig} is not in the run")
+            return broken(0, f"{key}: its original {orig} is not in the run", key)
         fields = [f"{f} {trace.params[key].get(f)!r} vs {trace.params[orig].get(f)!r}" for f in INVENTORY_FIELDS
                   if trace.params[key].get(f) != trace.params[orig].get(f)]
         if fields:
-            return broken(0, f"{key}: " + ", ".join(fields) + f" of {orig}")
+            return broken(0, f"{key}: " + ", ".join(fields) + f" of {orig}", key)
         if trace.init.get(key) != trace.init.get(orig):
-            return broken(0, f"{key}: initial value {trace.init.get(key)} vs {trace.init.get(orig)} of {orig}")
+            return broken(0, f"{key}: initial value {trace.init.get(key)} vs {trace.init.get(orig)} of {orig}", key)
     for st in trace.steps:
         for what, fps in (("gradient", st.grads), ("value after the optimizer step", st.params)):
             for key, orig in pairs:
                 if fps.get(key) != fps.get(orig):
                     return broken(st.step, f"{key}: {what} at step {st.step} {fps.get(key)} vs "
-                                           f"{fps.get(orig)} of {orig}")
+                                           f"{fps.get(orig)} of {orig}", key)
     detail = (f"{len(replicas)} replica(s) match their originals at init and after all {len(trace.steps)} steps"
               if replicas else "no replicas in this run")
     return {"consistent": True, "first_broken_step": None, "replicas": replicas, "detail": detail}

@@ -11,24 +11,23 @@ another number of steps, microbatches or MTP depths.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
 
 from . import outdir, signature
 from .case_schema import ExpectedDivergence
 from .compare import compare, replica_status
 from .errors import UsageError
-from .localise import localise
+from .localise import boundary_mismatches, localise
 from .report import write_report
 from .results import CaseResult, VariantResult
-from .trace import RANK_FORMAT, Trace, TraceError, first_nonfinite, merge
-from .judge import judge, judge_nonfinite
+from .trace import RANK_FORMAT, Trace, TraceError, first_nonfinite, merge, overlap_coverage
+from .judge import Evidence, Expectation, Verdict, comparison_record, decide
 from .verify import series
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
@@ -143,12 +142,21 @@ def _layout(header: dict, trace: Trace) -> tuple[str, int, int, bool]:
     return text or f"P={pp} V={vpp}", pp, vpp, standalone
 
 
-def _variant(name: str, role: str, trace: Trace, header: dict, verdict: tuple, cmp, compare_to: str,
+def _evidence(trace: Trace, header: dict, cmp, replicas: dict, nonfinite, where: Optional[dict]) -> Evidence:
+    """What `harness.judge.decide` judges of a captured run: its comparison, replicas, stage boundaries,
+    finiteness and (megatron's MoE 1F1B overlap, when its header's settings ask for it) overlap coverage."""
+    settings = header.get("settings") if isinstance(header.get("settings"), dict) else {}
+    return Evidence(cmp=cmp, replicas=replicas, nonfinite=nonfinite, boundary=tuple(boundary_mismatches(trace)),
+                    localisation=where, clipping=any(st.clip_coeff is not None for st in trace.steps),
+                    coverage=overlap_coverage(trace, bool(settings.get("overlap_moe_expert_parallel_comm"))))
+
+
+def _variant(name: str, role: str, trace: Trace, header: dict, verdict: Verdict, cmp, compare_to: str,
              run_dir: str, expect: str, extra: dict) -> VariantResult:
     text, pp, vpp, standalone = _layout(header, trace)
     return VariantResult(
-        name=name, layout=text, pp=pp, vpp=vpp, mtp_standalone=standalone, expect=expect, verdict=verdict[0],
-        outcome=verdict[1], reason=verdict[2], bitwise_equal=cmp.bitwise_equal if cmp else True,
+        name=name, layout=text, pp=pp, vpp=vpp, mtp_standalone=standalone, expect=expect, verdict=verdict.verdict,
+        outcome=verdict.outcome, reason=verdict.reason, bitwise_equal=cmp.bitwise_equal if cmp else True,
         first_divergence=cmp.first_divergence if cmp else None, series=series(trace, cmp),
         family_mismatches=cmp.family_mismatches if cmp else {}, run_dir=run_dir, compare_to=compare_to,
         trainer=header.get("trainer", "reference"), expert_model_parallel_size=trace.expert_model_parallel_size,
@@ -170,10 +178,12 @@ def _command(header: dict, role: str) -> str:
 
 def run(dir_a: Path, dir_b: Path, out_root: Path, command: str, expect: str = "bitwise",
         first_divergence: Optional[list[ExpectedDivergence]] = None, name: Optional[str] = None,
-        progress=print, warn=lambda line: print(line, file=sys.stderr)) -> CaseResult:
+        progress=print, warn=lambda line: print(line, file=sys.stderr),
+        want: Optional[Expectation] = None) -> CaseResult:
     """Compare trace directory `dir_b` with `dir_a` (the reference) and write the report to ``out_root/<name>``
     (default name: ``compare-<A's directory name>-<B's>``).  `expect` / `first_divergence`: what B is expected
-    to do against A, as a case variant states it (`harness.case_schema.VariantSpec`).
+    to do against A, as a case variant states it (`harness.case_schema.VariantSpec`); `want`: a whole
+    `harness.judge.Expectation` instead (signature, replica_drift: a case's run judged outside `verify`).
 
     Raises:
         UsageError: the directories cannot be compared (one line, the first reason), or the report directory is
@@ -188,34 +198,30 @@ def run(dir_a: Path, dir_b: Path, out_root: Path, command: str, expect: str = "b
         raise UsageError(f"cannot compare {dir_a} with {dir_b}: {why}")
     name_a, name_b = _names(Path(dir_a), Path(dir_b))
     case = name or re.sub(r"[^A-Za-z0-9._-]+", "_", f"compare-{name_a}-{name_b}")
-    spec = SimpleNamespace(expect=expect, compare_to=name_a, first_divergence=first_divergence, signature=None)
     cmp = compare(a, b)
     replicas_b, replicas_a = replica_status(b), replica_status(a)
-    base = judge(SimpleNamespace(is_baseline=True, spec=spec), None, None, replicas_a)
-    verdict, happened, reason, out = signature.judge(
-        judge(SimpleNamespace(is_baseline=False, spec=spec), cmp, None, replicas_b), spec, cmp,
-        any(st.clip_coeff is not None for st in b.steps))
-    nonfinite = first_nonfinite(b)
-    verdict, happened, reason = judge_nonfinite(spec, nonfinite, verdict, happened, reason)
+    nonfinite_a, nonfinite_b = first_nonfinite(a), first_nonfinite(b)
     fd = cmp.first_divergence
     where = localise(a, b, fd.step) if fd is not None and fd.kind != "inventory" else None
-    if where:
-        reason += f"; localised: {where['message']}"
+    want = dataclasses.replace(want or Expectation(expect, first_divergence), compare_to=name_a, is_baseline=False)
+    expect = want.expect
+    base = decide(Expectation(is_baseline=True), _evidence(a, ha, compare(a, a), replicas_a, nonfinite_a, None))
+    decided = decide(want, _evidence(b, hb, cmp, replicas_b, nonfinite_b, where))
+    verdict, happened, reason = decided.verdict, decided.outcome, decided.reason
     with outdir.workspace(out_root, case) as (work, final):
         for n, t in ((name_a, a), (name_b, b)):
             (work / "runs" / n).mkdir(parents=True)
             t.save(work / "runs" / n / "trace.json")
         variants = [
             _variant(name_a, "A", a, ha, base, None, name_a, f"runs/{name_a}", "bitwise",
-                     {"replica_status": replicas_a, "nonfinite": str(first_nonfinite(a) or "")}),
-            _variant(name_b, "B", b, hb, (verdict, happened, reason), cmp, name_a, f"runs/{name_b}", expect,
-                     {"replica_status": replicas_b, "nonfinite": str(nonfinite or ""), "localisation": where or {},
-                      "outside_signature": signature.lines(out), "outside_signature_count": len(out)})]
-        (work / "runs" / name_b / "comparison.json").write_text(json.dumps(
-            {"format": "bitparity-comparison/1", "a": str(dir_a), "b": str(dir_b), "verdict": verdict,
-             "outcome": happened, "reason": reason, "bitwise_equal": cmp.bitwise_equal,
-             "first_divergence": asdict(fd) if fd else None, "inventory": cmp.inventory,
-             "replica_status": replicas_b}, indent=1))
+                     {"replica_status": replicas_a, "nonfinite": str(nonfinite_a or "")}),
+            _variant(name_b, "B", b, hb, decided, cmp, name_a, f"runs/{name_b}", expect,
+                     {"replica_status": replicas_b, "nonfinite": str(nonfinite_b or ""), "localisation": where or {},
+                      "outside_signature": signature.lines(list(decided.outside)),
+                      "outside_signature_count": len(decided.outside)})]
+        for v in variants:
+            (work / v.run_dir / "comparison.json").write_text(json.dumps(
+                comparison_record(v, a=str(dir_a), b=str(dir_b)), indent=1))
         env = {"a": str(Path(dir_a).resolve()), "b": str(Path(dir_b).resolve()),
                "a_settings": ha.get("settings"), "b_settings": hb.get("settings"), "device": ha.get("device")}
         result = CaseResult(case=case, case_path=f"{dir_a} vs {dir_b}", baseline=name_a, variants=variants,

@@ -40,16 +40,17 @@ def _parameter_problem(name: str, model: ModelConfig) -> str:
 
 
 def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig, training: TrainingConfig,
-          signature=None) -> None:
+          signature=None, replica_drift=None) -> None:
     """Validate one variant's expectation (`wants`: its `first_divergence` list or None).
 
     Raises:
         UsageError: the baseline carries an expectation; first_divergence with ``bitwise``; ``may_diverge``
             without a place, or an empty list; max_ulp on a kind without one bit pattern per run; a step
             >= train_iters, a microbatch >= num_microbatches, a name that no run of this model can produce;
-            the same for the places of a `signature` (`harness.signature`), which needs may_diverge or diverge.
+            the same for the places of a `signature` (`harness.signature`), which needs may_diverge or diverge;
+            a `replica_drift` name without a replica tag (``@mtp``) or not of the model, a step >= train_iters.
     """
-    if is_baseline and (expect != "bitwise" or wants):
+    if is_baseline and (expect != "bitwise" or wants or replica_drift):
         raise UsageError(f"{where}: the baseline cannot carry an expectation")
     if wants is not None and expect == "bitwise":
         raise UsageError(f"{where}: first_divergence is only meaningful with expect: may_diverge or diverge")
@@ -68,6 +69,18 @@ def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig,
                              f"(kind loss or grad_norm, no max_ulp), not {odd.kind}")
     if signature is not None:
         _check_signature(where, expect, signature, model, training, wants)
+    if replica_drift is not None and not replica_drift:
+        raise UsageError(f"{where}: replica_drift is an empty list: name the replica that drifts")
+    for i, drift in enumerate(replica_drift or []):
+        at = f"{where}: replica_drift" + (f"[{i}]" if len(replica_drift) > 1 else "")
+        if "@" not in drift.name:
+            raise UsageError(f"{at}.name {drift.name!r}: a replica is named with its tag, e.g. "
+                             "embedding.word_embeddings.weight@mtp")
+        problem = _parameter_problem(drift.name, model)
+        if problem:
+            raise UsageError(f"{at}.name {drift.name!r} {problem}")
+        if drift.step is not None and drift.step >= training.train_iters:
+            raise UsageError(f"{at}.step {drift.step}: the run has steps 0..{training.train_iters - 1}")
     for i, want in enumerate(wants or []):
         at = f"{where}: first_divergence" + (f"[{i}]" if len(wants) > 1 else "")
         if want.max_ulp is not None and want.kind not in _SCALAR_ULP_KINDS:
@@ -172,7 +185,7 @@ def resolve(run, version: Optional[str]):
     entry = entry_for(declared, version)
     spec = declared if entry is None else declared.model_copy(update={
         "expect": entry.expect, "first_divergence": entry.first_divergence, "signature": entry.signature,
-        "bug": entry.bug if entry.bug is not None else declared.bug})
+        "replica_drift": entry.replica_drift, "bug": entry.bug if entry.bug is not None else declared.bug})
     return dataclasses.replace(run, spec=spec, declared=declared)
 
 

@@ -38,14 +38,15 @@ from trainerkit.layout import PipelineLayout
 from trainerkit.schedule import ScheduleError, check_sizes
 
 from .cases import CasePlan
-from .compare import compare
-from .trace import first_nonfinite
+from .compare import compare, replica_status
+from .judge import Evidence, Expectation, decide
+from .localise import boundary_mismatches
 from . import bounds, outdir, pool
 from .errors import UsageError
 from . import trainers
 from .runner import preload, run_ranks
 from .strategies import layouts
-from .trace import TraceError, merge
+from .trace import TraceError, first_nonfinite, merge
 
 
 # examples hypothesis draws per batch: each batch ends in a wait for its slowest run, and its drawing costs
@@ -140,22 +141,22 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
             run_dir = work / f"run{next(serial)}"
             t0 = time.monotonic()
             out = run_ranks(cfg, run_dir, plan.spec.timeout_s)
-            why = None
+            why, error, trace = None, None, None
             if not out.ok:
-                why = f"error: {out.error.splitlines()[0]}"
+                error = out.error
             else:
                 try:
                     trace = merge(run_dir, pp)
-                    cmp = compare(baseline, trace)
-                    broken = first_nonfinite(trace)
-                    if broken:
-                        why = f"not finite: {broken}"
-                    elif not cmp.bitwise_equal:
-                        fd = cmp.first_divergence
-                        why = f"step {fd.step} {fd.kind} {fd.name}" + (f" mb {fd.microbatch}" if fd.microbatch
-                                                                      is not None else "")
                 except TraceError as e:
-                    why = f"trace error: {e}"
+                    error = f"trace error: {e}"
+            # the one judge (harness.judge.decide): a drawn layout must be bitwise equal to the baseline, keep
+            # its replicas, its stage boundaries and finiteness, as a case's `expect: bitwise` run must
+            decided = decide(Expectation(compare_to=plan.runs[0].spec.name), Evidence(error=error) if trace is None
+                             else Evidence(cmp=compare(baseline, trace), replicas=replica_status(trace),
+                                           nonfinite=first_nonfinite(trace),
+                                           boundary=tuple(boundary_mismatches(trace))))
+            if decided.verdict != "pass":
+                why = f"error: {decided.reason}" if decided.verdict == "error" else decided.reason
             shutil.rmtree(run_dir, ignore_errors=True)
             with lock:
                 result.compute_s += time.monotonic() - t0

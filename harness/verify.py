@@ -3,7 +3,7 @@
 Everything is written into ``<out>/.<case>.partial/`` and moved to ``<out>/<case>/`` only when complete,
 so an interrupted or failed harness never leaves a half-written report.  Next to each run's ``manifest.json``
 and ``trace.json``, ``comparison.json`` holds its verdict, first divergence, parameter-inventory differences
-and replica status (`_comparison_record`).
+and replica status (`harness.judge.comparison_record`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from trainerkit.schedule import build_schedule, serialise, timeline
 
 from . import agreement, crossimpl, golden, outdir, pool, signature, trainers
 from .budget import Deadline
-from .judge import bugs_elsewhere, judge, judge_nonfinite
+from .judge import Evidence, Expectation, bugs_elsewhere, comparison_record, decide
 from .arithmetic import environment
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
@@ -118,17 +118,6 @@ def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launch
                     "detail": f"repeat {k} differs from run 1: step {fd.step} {fd.kind} {fd.name}"}
     return {"runs": run.spec.repeat, "deterministic": True, "first_divergence": None,
             "detail": f"{run.spec.repeat} runs bitwise equal"}
-
-
-def _comparison_record(v: VariantResult) -> dict:
-    """``runs/<variant>/comparison.json``: the verdict and the structural checks of one variant."""
-    return {"format": "bitparity-comparison/1", "variant": v.name, "compare_to": v.compare_to,
-            "verdict": v.verdict, "outcome": v.outcome, "reason": v.reason, "bitwise_equal": v.bitwise_equal,
-            "first_divergence": asdict(v.first_divergence) if v.first_divergence else None,
-            "inventory": v.inventory, "replica_status": v.replica_status, "run_to_run": v.run_to_run,
-            "ulp_evidence": v.ulp_evidence, "evidence_error": v.evidence_error, "localisation": v.localisation,
-            "outside_signature": v.outside_signature, "outside_signature_count": v.outside_signature_count,
-            "golden": v.golden}
 
 
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
@@ -237,30 +226,18 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             None if ref is not None else f"reference run {ref_name!r} did not run, nothing to compare with")
         cmp = compare(ref, trace) if error is None else None
         replicas = replica_status(trace) if trace is not None else {}
-        # a run on --megatron-base asks one thing: did base move a bit against head?  Broken alike on both (a bug
-        # the case states: NaN, a drifting replica) it is equal; its head run's own expectation judges the breakage
+        # a run on --megatron-base asks one thing: did base move a bit against head? (harness.judge.decide)
         alike = run.twin_of is not None and cmp is not None and cmp.bitwise_equal
-        verdict, happened, reason, outside = signature.judge(
-            judge(run, cmp, error, None if alike else replicas, repeats.get(name)), run.spec, cmp, t.clip_grad > 0)
-        corrupted = boundary_mismatches(trace) if trace is not None else []
-        if corrupted and verdict != "error":
-            verdict, happened, reason = "fail", "unexpected difference", f"stage boundary: {corrupted[0]}"
-        # NaN bits compare equal to themselves: a broken run must not pass as "equal" (a `diverge` run may be
-        # broken on purpose, so it only says so)
         nonfinite = first_nonfinite(trace) if trace is not None else None
-        if alike and nonfinite:
-            reason += f" (not finite on both: {nonfinite})"
-        elif verdict != "error":
-            verdict, happened, reason = judge_nonfinite(run.spec, nonfinite, verdict, happened, reason,
-                                                         planted=run.config.inject is not None)
         coverage = overlap_coverage(trace, run.config.parallel.overlap_moe_expert_parallel_comm) \
             if trace is not None and run.config.trainer == "megatron-core" else {}
-        if coverage.get("warning"):
-            reason += f"; overlap coverage: {coverage['warning']}"
         fd = cmp.first_divergence if cmp else None
         where = localise(ref, trace, fd.step) if fd is not None and fd.kind != "inventory" else None
-        if where:
-            reason += f"; localised: {where['message']}"
+        decided = decide(Expectation.of(run), Evidence(
+            error=error, cmp=cmp, replicas=replicas, run_to_run=repeats.get(name), nonfinite=nonfinite,
+            boundary=tuple(boundary_mismatches(trace)) if trace is not None else (), coverage=coverage,
+            localisation=where, clipping=t.clip_grad > 0, planted=run.config.inject is not None, twin_equal=alike))
+        verdict, happened, reason, outside = decided.verdict, decided.outcome, decided.reason, decided.outside
         evidence, evidence_error = [], ""
         # a run that states a bug shows how far it moved (the report's "caught" line), as a failure does
         if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all or run.spec.bug):
@@ -311,7 +288,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         (work / "cross-implementation" / "cross_implementation.json").write_text(json.dumps(cross, indent=1))
     golden_record = golden.apply(goldens, plan, env, traces, variants, dirs, progress)
     for v in variants:
-        (work / v.run_dir / "comparison.json").write_text(json.dumps(_comparison_record(v), indent=1))
+        (work / v.run_dir / "comparison.json").write_text(json.dumps(comparison_record(v), indent=1))
     # which runs agree bit for bit with which: a wrong baseline shows as the small group (harness.agreement)
     agreed = agreement.groups([(r.spec.name, traces[r.spec.name], agreement.computation_key(r.config),
                                 r.spec.compare_to or base_name) for r in plan.runs], base_name)

@@ -31,6 +31,8 @@ def _load(tmp_path, expect):
     "expect: diverge, first_divergence: {kind: param, name: decoder.layers.3.mlp.router.expert_bias}",
     "expect: diverge, first_divergence: {kind: inventory, name: mtp.layers.0.eh_proj.weight}",
     "expect: diverge",
+    "expect: diverge, replica_drift: {name: embedding.word_embeddings.weight@mtp, step: 1}",
+    "replica_drift: [{name: embedding.word_embeddings.weight@mtp}, {name: embedding.word_embeddings.weight@ep1}]",
 ])
 def test_places_a_run_can_produce_are_accepted(tmp_path, expect):
     wants = _load(tmp_path, expect).runs[1].spec.first_divergence
@@ -53,6 +55,12 @@ def test_places_a_run_can_produce_are_accepted(tmp_path, expect):
     ("expect: may_diverge, first_divergence: [{kind: grad_norm}, {kind: param, name: mtp.layers.1.enorm.weight}]",
      "first_divergence[1].name 'mtp.layers.1.enorm.weight' names MTP layer 1"),
     ("expect: diverge, first_divergence: {kind: grad, name: embeddings}", "is not a parameter name"),
+    ("replica_drift: {name: embedding.word_embeddings.weight}", "a replica is named with its tag"),
+    ("replica_drift: {name: no.such.param@mtp}", "replica_drift.name 'no.such.param@mtp' is not a parameter"),
+    ("replica_drift: {name: embedding.word_embeddings.weight@mtp, step: 2}", "replica_drift.step 2: the run has"),
+    ("replica_drift: []", "replica_drift is an empty list"),
+    ("replica_drift: [{name: x@mtp}, {name: embedding.word_embeddings.weight}]", "replica_drift[0].name 'x@mtp'"),
+    ("replica_drift: {name: embedding.word_embeddings.weight@mtp, when: 1}", "replica_drift"),
 ])
 def test_places_that_can_never_match_are_refused(tmp_path, expect, message):
     with pytest.raises(UsageError, match=None) as info:

@@ -242,7 +242,7 @@ def test_replica_status_walks_init_grads_then_params():
                                   "detail": "1 replica(s) match their originals at init and after all 2 steps"}
     drifted = dict(same, **{f"{E}@mtp": "c" * 16})
     late = replica_status(_mk(BASE_PARAMS, steps=[(same, same), (same, drifted)]))
-    assert late["consistent"] is False and late["first_broken_step"] == 1
+    assert late["consistent"] is False and late["first_broken_step"] == 1 and late["replica"] == f"{E}@mtp"
     assert "value after the optimizer step at step 1" in late["detail"]
     early = replica_status(_mk(BASE_PARAMS, steps=[(same, same)], init=drifted))
     assert early["first_broken_step"] == 0 and "initial value" in early["detail"]
@@ -254,42 +254,71 @@ def test_replica_status_walks_init_grads_then_params():
 
 @pytest.mark.arithmetic_free
 def test_judge_structural_rules():
-    from types import SimpleNamespace
-
     from harness.case_schema import ExpectedDivergence
     from harness.compare import Comparison
     from harness.results import FirstDivergence
-    from harness.judge import judge
+    from harness.judge import Expectation, judge
 
-    def run(expect="bitwise", want=None, baseline=False):
-        return SimpleNamespace(is_baseline=baseline, spec=SimpleNamespace(expect=expect, first_divergence=want,
-                                                                          compare_to=None))
+    def run(expect="bitwise", want=None, baseline=False, drift=None):
+        return Expectation(expect, want, replica_drift=drift, is_baseline=baseline)
     inv = Comparison(False, FirstDivergence(0, "inventory", None, H, ""), inventory=[f"{H}: only in the baseline"])
     assert judge(run(), inv, None)[0] == "fail"
     assert judge(run("diverge"), inv, None)[0] == "fail"                       # a different model, not a divergence
     assert judge(run("diverge", [ExpectedDivergence(kind="inventory", name=H)]), inv, None)[0] == "pass"
-    broken = {"consistent": False, "first_broken_step": 1, "replicas": [f"{E}@mtp"], "detail": "x"}
+    broken = {"consistent": False, "first_broken_step": 1, "replica": f"{E}@mtp", "replicas": [f"{E}@mtp"],
+              "detail": "x"}
     equal = Comparison(True, None)
     assert judge(run(), equal, None, broken) == ("fail", "unexpected difference", "bitwise equal to the baseline, "
                                                  "but replica inconsistent from step 1: x")
     assert judge(run(baseline=True), None, None, broken)[0] == "fail"
     assert judge(run(), equal, None, {"consistent": True})[0] == "pass"
     diverged = Comparison(False, FirstDivergence(0, "grad", None, E, ""))
-    assert judge(run("diverge"), diverged, None, broken)[0] == "pass"           # a diverge run may break them
+    # replicas are checked whatever the expectation: a run that differs on purpose must still keep them
+    verdict, _, reason = judge(run("diverge"), diverged, None, broken)
+    assert verdict == "fail" and reason.endswith("is expected, but replica inconsistent from step 1: x")
     assert judge(run("may_diverge", [ExpectedDivergence(kind="grad")]), diverged, None, broken)[0] == "fail"
+    assert judge(run("not_finite", [ExpectedDivergence(kind="loss")]), diverged, None, broken)[0] == "fail"
+
+
+@pytest.mark.arithmetic_free
+def test_judge_replica_drift_stated_passes_only_where_stated():
+    from harness.case_schema import ExpectedDivergence, ReplicaDrift
+    from harness.compare import Comparison
+    from harness.results import FirstDivergence
+    from harness.judge import Expectation, judge
+
+    broken = {"consistent": False, "first_broken_step": 1, "replica": f"{E}@mtp", "replicas": [f"{E}@mtp"],
+              "detail": "x"}
+    fine = {"consistent": True, "first_broken_step": None, "replicas": [f"{E}@mtp"], "detail": "ok"}
+    diverged = Comparison(False, FirstDivergence(1, "param", None, E, ""))
+    grad = [ExpectedDivergence(kind="param")]
+    for drift, ok in (([ReplicaDrift(name=f"{E}@mtp", step=1)], True), ([ReplicaDrift(name=f"{E}@mtp")], True),
+                      ([ReplicaDrift(name=f"{E}@mtp", step=0)], False),
+                      ([ReplicaDrift(name=f"{E}@ep1")], False),
+                      ([ReplicaDrift(name=f"{E}@ep1"), ReplicaDrift(name=f"{E}@mtp")], True)):
+        verdict, _, reason = judge(Expectation("diverge", grad, replica_drift=drift), diverged, None, broken)
+        assert (verdict == "pass") == ok, (drift, reason)
+        assert ("replica drifts as stated" in reason) == ok
+        if not ok:
+            assert "not where stated" in reason
+    # stated but every replica matches: the bug it states is not caught
+    verdict, _, reason = judge(Expectation("diverge", grad, replica_drift=[ReplicaDrift(name=f"{E}@mtp")]),
+                               diverged, None, fine)
+    assert verdict == "fail" and "but every replica matches its original" in reason
+    # a stated drift on a bitwise-equal run (the drift is the whole bug) passes as equal
+    equal = Comparison(True, None)
+    assert judge(Expectation("may_diverge", grad, replica_drift=[ReplicaDrift(name=f"{E}@mtp")]), equal, None,
+                 broken)[0] == "pass"
 
 
 def test_judge_may_diverge_allows_equality_or_the_named_first_divergence():
-    from types import SimpleNamespace
-
     from harness.case_schema import ExpectedDivergence
     from harness.compare import Comparison
     from harness.results import FirstDivergence
-    from harness.judge import judge
+    from harness.judge import Expectation, judge
 
     def run(expect, want):
-        return SimpleNamespace(is_baseline=False, spec=SimpleNamespace(expect=expect, first_divergence=want,
-                                                                       compare_to="ref"))
+        return Expectation(expect, want, compare_to="ref")
     norm = [ExpectedDivergence(kind="grad_norm", max_ulp=4)]
     at_norm = Comparison(False, FirstDivergence(1, "grad_norm", None, "grad norm", "", ulp=1))
     far_norm = Comparison(False, FirstDivergence(1, "grad_norm", None, "grad norm", "", ulp=5))
