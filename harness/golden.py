@@ -16,10 +16,18 @@ The shipped goldens are recorded with ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COM
 
 CPU family (vendor and family, `harness.arithmetic.cpu_family`): not a refusal but a record of where the goldens
 held.  ``checked_on`` lists the families on which these goldens were recorded or confirmed bitwise.  On a
-family not in it the runs are compared all the same: equal -> pass (and ``--write-golden`` adds the family);
-different -> verdict ``unchecked``, one line saying the goldens were never checked on this family, not a code
-failure (vendors' math libraries round differently: measured for MKL's vector square root, which is why the
-reference trainer's optimizer does not use it, `reference_impl.optimizer`).
+family not in it the runs are compared all the same: equal -> pass (and ``--write-golden`` adds the family).
+A difference there depends on what the list shows:
+
+* two or more families: the bits were shown portable across vendors' code paths, so a difference is far more
+  likely the code's than the CPU's: status ``differs``, verdict ``fail`` (exit 1), the detail naming this
+  family as the possible cause and the command that adds it once a clean build agrees (`_unlisted_hint`).
+  Calling it ``unchecked`` instead let a real bug pass (measured: the aux-loss scale divided by 3 gave
+  "golden unchecked", exit 0, on an unlisted family);
+* none or one: nothing says the bits survive another CPU family (vendors' math libraries round differently:
+  measured for MKL's vector square root, which is why the reference trainer's optimizer does not use it,
+  `reference_impl.optimizer`), so the difference cannot be judged: verdict ``unchecked``, one line saying the
+  goldens were never checked on this family, not a code failure.
 
 Layout (``DIR``): ``golden.json`` {format, case, environment, checked_on: [cpu family], recorded: {cpu_model,
 bitparity}, variants: {name:
@@ -253,18 +261,40 @@ def _trace(raw: dict, run: Trace) -> Trace:
                  **{k: getattr(run, k) for k in _PER_RUN})
 
 
+#: How many CPU families in ``checked_on`` show the bits portable: from then on a difference on an unlisted family
+#: is a failure (`check`), since one family alone says nothing about another vendor's code paths.
+PORTABLE_FAMILIES = 2
+
+
+def _unlisted_hint(family: str, checked_on: list, directory: Path) -> str:
+    """The words added to a difference on an unlisted family of portable goldens: the family as a possible cause,
+    and the command that adds it to checked_on (`write` adds a family only when every golden's bits agree; on a
+    build that moved bits it would record that build's bits instead, hence "once a clean build agrees")."""
+    return (f"may differ, only here: this CPU family ({family}) is not in checked_on [{', '.join(checked_on)}]; "
+            f"once a clean build (a known-good commit) agrees here, `make golden` (`bitparity verify CASE "
+            f"--write-golden {directory}`) adds it")
+
+
 def check(loaded: dict, directory: Path, traces: dict, family: str) -> tuple[dict, dict]:
     """Compare each run of `traces` ({variant: Trace, or None when it errored}) with its golden (`load`'s result)
     on a machine of CPU family `family`.
 
     Returns (case record {dir, environment: "same", recorded, checked_on, verdict, detail}, {variant: {status,
     first_divergence, detail}}) with status ``equal`` / ``differs`` / ``unchecked`` (differs, on a CPU family
-    the goldens were never checked on) / ``missing`` (no golden for that variant) / ``not run``; verdict
-    ``pass`` / ``fail`` / ``unchecked`` (every difference is of the ``unchecked`` kind: not a code failure).
+    the goldens were never checked on, when fewer than `PORTABLE_FAMILIES` are: the bits cannot be judged) /
+    ``missing`` (no golden for that variant) / ``not run``; verdict ``pass`` / ``fail`` / ``unchecked`` (every
+    difference is of the ``unchecked`` kind: not a code failure).  A difference on an unlisted family of goldens
+    checked on `PORTABLE_FAMILIES` or more is ``differs`` / ``fail``, its detail naming the family as a possible
+    cause (`_unlisted_hint`).
     """
+    if not isinstance(family, str) or not family.strip():
+        raise ValueError(f"golden check: the CPU family must be a non-empty string, not {family!r}")
     index, per = loaded["index"], {}
     checked_on = index["checked_on"]          # a list of families (`_read_index`)
     known = family in checked_on
+    # where the bits were shown portable, a difference is judged on any family; else only on a listed one
+    judged = known or len(checked_on) >= PORTABLE_FAMILIES
+    hint = "" if known else _unlisted_hint(family, checked_on, directory)
     for name, trace in traces.items():
         entry = index["variants"].get(name)
         if trace is None:
@@ -274,11 +304,11 @@ def check(loaded: dict, directory: Path, traces: dict, family: str) -> tuple[dic
                          "detail": f"no golden for variant {name!r} in {directory} (record with --write-golden)"}
         else:
             fd = compare(_trace(loaded["traces"][entry["file"]], trace), trace).first_divergence
-            per[name] = {"status": "equal" if fd is None else "differs" if known else "unchecked",
+            per[name] = {"status": "equal" if fd is None else "differs" if judged else "unchecked",
                          "first_divergence": asdict(fd) if fd else None,
                          "detail": "bitwise equal to the golden" if fd is None else
                          f"first difference from the golden (golden vs this run): step {fd.step} {fd.kind} "
-                         f"{fd.name}: {fd.detail}"}
+                         f"{fd.name}: {fd.detail}" + (f" ({hint})" if judged and hint else "")}
     bad = [n for n, r in per.items() if r["status"] != "equal"]
     # a run that did not complete (an error, or left undone by --budget) has no bits to check: not a difference
     not_run = [n for n in bad if per[n]["status"] == "not run"]
@@ -296,6 +326,8 @@ def check(loaded: dict, directory: Path, traces: dict, family: str) -> tuple[dic
                           f"{len(differ)} of {len(per)} run(s) differ, not counted as a code change (confirm the "
                           "goldens on this family from a known-good commit: `make golden`)"
                           + (f"; {words[-1]}" if not_run else ""))
+    elif hint and any(per[n]["status"] == "differs" for n in differ):     # not for a missing golden alone
+        case["detail"] += f"; {hint}"
     elif not bad and not known:
         case["detail"] += f" (first check on {family}: `make golden` adds it to checked_on)"
     return case, per

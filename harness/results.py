@@ -149,7 +149,8 @@ class CaseResult:
     command: str                                  # command line that reproduces the whole report
     cross_implementation: Optional[dict] = None   # harness.crossimpl's record, when the case asks for one
     # `verify --golden DIR`: {"dir": str, "environment": "same" | one line naming what differs, "verdict":
-    # "pass" | "fail" | "unchecked" (differs on a CPU family the goldens were never checked on), "checked_on"}; None
+    # "pass" | "fail" | "unchecked" (differs on a CPU family the goldens were never checked on, when they were
+    # checked on fewer than two: `harness.golden.check`), "checked_on"}; None
     # when not asked
     golden: Optional[dict] = None
     # `verify --megatron-base/--megatron-head` (harness.sources): {"head": {"path", "version", "commit",

@@ -75,8 +75,8 @@ def test_golden_round_trip_and_a_changed_bit(tmp_path):
 
 
 def test_another_cpu_family_is_named_not_blamed_and_confirming_it_adds_it(tmp_path):
-    """On a family the goldens were never checked on, a difference is `unchecked` (one line, not a failure); the
-    same bits recorded there add the family to checked_on; other bits start the list again."""
+    """On a family goldens checked on one family were never checked on, a difference is `unchecked` (one line,
+    not a failure); the same bits recorded there add the family to checked_on; other bits start the list again."""
     _record(tmp_path, {"a": _trace()})
     assert json.loads((tmp_path / "golden.json").read_text())["checked_on"] == [INTEL]
     case, per = golden.check(_load(tmp_path, ["a"]), tmp_path, {"a": _trace(fp="dddd")}, AMD)
@@ -90,6 +90,89 @@ def test_another_cpu_family_is_named_not_blamed_and_confirming_it_adds_it(tmp_pa
     assert case["verdict"] == "fail" and per["a"]["status"] == "differs"
     _record(tmp_path, {"a": _trace(fp="eeee")}, family=AMD)  # other bits: only where they were recorded
     assert json.loads((tmp_path / "golden.json").read_text())["checked_on"] == [AMD]
+
+
+OTHER = "HygonGenuine family 24"          # a family neither shipped golden was ever checked on
+
+
+def _check_here(monkeypatch, directory, traces, family=OTHER):
+    """`golden.apply` as `verify --golden` calls it, on a machine whose `harness.arithmetic.cpu_family` reports
+    `family` (the environment it passes on is `harness.arithmetic.environment`'s, as in `harness.verify`)."""
+    from types import SimpleNamespace
+    from harness import arithmetic
+    monkeypatch.setattr(arithmetic, "cpu_family", lambda: family)
+    env = arithmetic.environment()
+    assert env["cpu_family"] == family
+    req = golden.GoldenRequest(directory, False, KEY, _load(directory, list(traces)))
+    variants = [SimpleNamespace(name=n, golden=None) for n in traces]
+    lines = []
+    case = golden.apply(req, None, env, traces, variants, {}, lines.append)
+    return case, {v.name: v.golden for v in variants}, lines
+
+
+def _exit_ok(case) -> bool:
+    """Whether a case with this golden record (and no other finding) exits 0 (`CaseResult.all_pass`)."""
+    from harness.results import CaseResult
+    return CaseResult(case="c", case_path="c.yaml", baseline="a", variants=[], elapsed_s=0.0, environment={},
+                      command="", golden=case).all_pass
+
+
+@pytest.mark.arithmetic_free
+def test_a_difference_on_an_unlisted_family_fails_where_two_families_agreed(tmp_path, monkeypatch):
+    """Goldens whose bits held on two CPU families were shown portable: a difference on a third is the code's
+    until shown otherwise (a failure, exit 1), the words naming the family as a possible cause and the command
+    that adds it once a clean build agrees."""
+    _record(tmp_path, {"a": _trace(), "b": _trace()})
+    _record(tmp_path, {"a": _trace(), "b": _trace()}, family=AMD)      # the same bits: portable
+    assert json.loads((tmp_path / "golden.json").read_text())["checked_on"] == [AMD, INTEL]
+    case, per, lines = _check_here(monkeypatch, tmp_path, {"a": _trace(fp="dddd"), "b": _trace()})
+    assert case["verdict"] == "fail" and per["a"]["status"] == "differs" and per["b"]["status"] == "equal", case
+    hint = (f"may differ, only here: this CPU family ({OTHER}) is not in checked_on [{AMD}, {INTEL}]; once a "
+            f"clean build (a known-good commit) agrees here, `make golden` (`bitparity verify CASE --write-golden "
+            f"{tmp_path}`) adds it")
+    assert case["detail"] == f"1 of 2 run(s) not bitwise equal to their golden: a; {hint}", case["detail"]
+    assert per["a"]["detail"].startswith("first difference from the golden (golden vs this run): step 0 grad "
+                                         "output_layer.weight") and per["a"]["detail"].endswith(f"({hint})")
+    assert any(line.startswith("[golden] a: DIFFERS:") and OTHER in line for line in lines), lines
+    # the result fails the command (exit 1), where an `unchecked` verdict would not
+    assert not _exit_ok(case)
+    # a listed family gets the difference without the hint: nothing points at the CPU there
+    case, per, _ = _check_here(monkeypatch, tmp_path, {"a": _trace(fp="dddd")}, family=INTEL)
+    assert case["verdict"] == "fail" and "may differ" not in case["detail"] + per["a"]["detail"], case
+    # a missing golden alone is no reason to suspect the CPU
+    case, per, _ = _check_here(monkeypatch, tmp_path, {"a": _trace(), "new": _trace()})
+    assert case["verdict"] == "fail" and per["new"]["status"] == "missing" and "may differ" not in case["detail"]
+
+
+@pytest.mark.arithmetic_free
+def test_a_difference_on_an_unlisted_family_stays_unchecked_with_one_family_listed(tmp_path, monkeypatch):
+    """One family shows nothing about another vendor's code paths: the difference cannot be judged."""
+    _record(tmp_path, {"a": _trace()})
+    assert json.loads((tmp_path / "golden.json").read_text())["checked_on"] == [INTEL]
+    case, per, _ = _check_here(monkeypatch, tmp_path, {"a": _trace(fp="dddd")})
+    assert case["verdict"] == "unchecked" and per["a"]["status"] == "unchecked", case
+    assert case["detail"].startswith(f"goldens checked on {INTEL}, never on {OTHER}: 1 of 1 run(s) differ, not "
+                                     "counted as a code change"), case["detail"]
+    assert "may differ" not in case["detail"] + per["a"]["detail"]
+    assert _exit_ok(case)
+
+
+@pytest.mark.arithmetic_free
+def test_equal_bits_on_an_unlisted_family_pass_and_say_how_to_add_it(tmp_path, monkeypatch):
+    _record(tmp_path, {"a": _trace()})
+    _record(tmp_path, {"a": _trace()}, family=AMD)
+    case, per, _ = _check_here(monkeypatch, tmp_path, {"a": _trace()})
+    assert case["verdict"] == "pass" and per["a"]["status"] == "equal", case
+    assert case["detail"] == f"1 run(s) bitwise equal to their goldens (first check on {OTHER}: `make golden` adds " \
+                             "it to checked_on)", case["detail"]
+
+
+@pytest.mark.arithmetic_free
+@pytest.mark.parametrize("family", ["", "  ", None])
+def test_a_check_without_a_cpu_family_is_one_line(tmp_path, family):
+    _record(tmp_path, {"a": _trace()})
+    with pytest.raises(ValueError, match=r"^golden check: the CPU family must be a non-empty string, not "):
+        golden.check(_load(tmp_path, ["a"]), tmp_path, {"a": _trace()}, family)
 
 
 def test_another_environment_or_step_count_is_refused_before_anything_runs(tmp_path):
@@ -238,14 +321,49 @@ def own_goldens(tmp_path_factory):
 
 @pytest.mark.slow
 def test_clean_code_matches_the_goldens(tmp_path, golden_env):
-    """The shipped goldens hold here; on a CPU family they were never checked on, a difference is `unchecked`
-    (exit 0, one line), never a failure of the code."""
+    """The shipped goldens hold here.  They are checked on two CPU families, so on any family a difference is a
+    failure (`golden.check`); with fewer listed, one on an unlisted family would be `unchecked` (exit 0)."""
     proc, runs = _verify(planted_tree(tmp_path / "tree", {}), tmp_path / "out")
     assert proc.returncode == 0, proc.stdout[-2000:]
     from harness.arithmetic import cpu_family
     checked = json.loads((GOLDENS / "golden.json").read_text())["checked_on"]
-    allowed = {"equal"} if cpu_family() in checked else {"equal", "unchecked"}
+    judged = cpu_family() in checked or len(checked) >= golden.PORTABLE_FAMILIES
+    allowed = {"equal"} if judged else {"equal", "unchecked"}
     assert all(r["golden"]["status"] in allowed for r in runs.values()), runs
+
+
+SIMULATED = "SimulatedVendor family 99"
+#: `harness.arithmetic.cpu_family` reporting a family no golden lists, in the planted copy (the CLI's process)
+UNLISTED_FAMILY = {"harness/arithmetic.py": [(
+    "    fields = _first_cpu()\n    if \"vendor_id\" not in fields:\n        return \"unknown\"\n",
+    f"    return {SIMULATED!r}\n")]}
+AUX_LOSS_THIRD = {"reference_impl/train.py": [(
+    "1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches)",
+    "1.0 / faults.loss_divisor(cfg.inject, t.num_microbatches) / 3")]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "aux_loss_scale_third"])
+def test_the_shipped_goldens_fail_a_bug_on_an_unlisted_cpu_family(tmp_path, golden_env, bug):
+    """The shipped goldens are checked on two families: on a third (simulated) the clean code passes and the
+    aux-loss scale divided by 3 fails (exit 1), naming the family as a possible cause (it read "golden unchecked",
+    exit 0, before).  Only the baseline runs: one run shows the verdict, and every layout gets the same numbers."""
+    edits = {**UNLISTED_FAMILY, **(AUX_LOSS_THIRD if bug != "none" else {})}
+    out = tmp_path / "out"
+    proc = run_planted(planted_tree(tmp_path / "tree", edits), "verify", ROOT / "cases/smoke.yaml", "--only",
+                       "pp2-mtp-with-loss", "--train-iters", "8", "--golden", GOLDENS, "--out", out)
+    checked = json.loads((GOLDENS / "golden.json").read_text())["checked_on"]
+    assert SIMULATED not in checked and len(checked) >= 2, checked
+    g = json.loads((out / "smoke/runs/pp2-mtp-with-loss/comparison.json").read_text())["golden"]
+    if bug == "none":
+        assert proc.returncode == 0 and "golden pass" in proc.stdout, proc.stdout[-2000:]
+        assert g["status"] == "equal" and f"first check on {SIMULATED}" in proc.stdout, proc.stdout[-2000:]
+        return
+    assert proc.returncode == 1 and "smoke: 1/1 pass, golden fail" in proc.stdout, proc.stdout[-2000:]
+    assert g["status"] == "differs" and g["first_divergence"]["step"] == 0, g
+    assert (g["first_divergence"]["kind"], g["first_divergence"]["name"]) == ("grad", ROUTER), g
+    assert f"may differ, only here: this CPU family ({SIMULATED}) is not in checked_on [{', '.join(checked)}]" \
+        in g["detail"] and "`make golden`" in g["detail"], g["detail"]
 
 
 @pytest.mark.slow
