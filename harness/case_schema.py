@@ -29,7 +29,7 @@ starts from another case and deep-merges this file's mappings over it)::
         expect: bitwise | may_diverge | diverge
         first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # with may_diverge
                                      # (required) or diverge (optional); kinds: inventory, loss, grad, grad_norm,
-                                     # param; max_ulp: N bounds a loss / grad_norm first divergence; a list
+                                     # param, buffer (the routers' expert_bias); max_ulp: N bounds a loss / grad_norm first divergence; a list
                                      # [{...}, {...}] allows any one of several places
         signature: [{step: 0, kind: grad, name: ...}, {from_step: 1}]   # everything that may differ
                                      # (harness.signature; default: derived from first_divergence)
@@ -80,7 +80,7 @@ class ExpectedDivergence(_Strict):
     `max_ulp` (loss and grad_norm only: a scalar with one bit pattern per run) bounds the distance in ULPs."""
 
     step: Optional[int] = Field(None, ge=0)     # None: any step
-    kind: Literal["inventory", "loss", "grad", "grad_norm", "param"]
+    kind: Literal["inventory", "loss", "grad", "grad_norm", "param", "buffer"]
     name: Optional[str] = None
     _name_printable = field_validator("name")(bounds.printable)
     microbatch: Optional[int] = Field(None, ge=0)

@@ -9,7 +9,8 @@ within a step, losses (the forward: microbatches ascending; lm then mtp_1..mtp_D
 before gradients in *backward* order (the reverse of the canonical parameter order: output head, MTP depths
 from the last, final norm, decoder layers from the last, embedding; within a layer the MLP before the
 attention, routed experts before their router) before the grad norm (when both runs clip) before parameters
-after the optimizer step (canonical order, then buffers such as the expert bias).  The first difference in
+after the optimizer step (canonical order), then the buffers after their update (the routers' expert bias, kind
+``buffer``: state that is not a parameter, `trainerkit.names.is_buffer`).  The first difference in
 that order is the first divergence: the first tensor computed differently.  Gradients accumulate over all
 microbatches before they are captured, so within a step this is the layer where a backward difference
 starts; with ``capture: activations`` `harness.localise` goes down to one microbatch and one layer input.
@@ -19,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from trainerkit import names
+
 from .ulp import ulp_distance
 from .results import FAMILIES, FirstDivergence
 from .trace import Trace
@@ -26,7 +29,8 @@ from .trace import Trace
 
 @dataclass
 class Comparison:
-    """bitwise_equal: every compared bit equal.  family_mismatches: {"grad"|"param": [{family: count}] per step}.
+    """bitwise_equal: every compared bit equal.  family_mismatches: {"grad"|"param"|"buffer": [{family: count}]
+    per step}.
     inventory: one line per parameter whose inventory entry differs (`inventory_diff`), canonical order."""
 
     bitwise_equal: bool
@@ -40,7 +44,8 @@ class Comparison:
 @dataclass(frozen=True)
 class Difference:
     """One place where two runs differ: a loss (`name` lm / mtp_k, with its microbatch), a gradient or a
-    parameter / buffer after the update (`name` the trace key), the grad norm, an inventory entry."""
+    parameter after the update or a buffer after its own (kind ``param`` / ``buffer``; `name` the trace key), the
+    grad norm, an inventory entry."""
 
     step: int
     kind: str
@@ -168,7 +173,7 @@ def compare(base: Trace, other: Trace) -> Comparison:
         first = FirstDivergence(step=0, kind="inventory", microbatch=None, name=inventory[0].split(":")[0],
                                 detail=f"parameter inventory differs ({len(inventory)}): " + "; ".join(inventory[:5]))
         diffs += [Difference(0, "inventory", line.split(":")[0]) for line in inventory]
-    counts = {"grad": [], "param": []}
+    counts = {"grad": [], "param": [], "buffer": []}
     norm_ulps = []
     # align by step number: a resumed run starts after its checkpoint step
     base_by_step = {st.step: st for st in base.steps}
@@ -206,15 +211,15 @@ def compare(base: Trace, other: Trace) -> Comparison:
                                             ulp=norm_ulps[-1], ulp_bits=_bits(bh) if norm_ulps[-1] is not None else None)
         params = [k for k in keys if bs.params.get(k) != os_.params.get(k)]
         buffers = [k for k in sorted(set(bs.buffers) | set(os_.buffers)) if bs.buffers.get(k) != os_.buffers.get(k)]
-        diffs += [Difference(bs.step, "param", k) for k in params + buffers]
-        per_family = _per_family(params, families)
-        per_family["router"] += len(buffers)
-        counts["param"].append(per_family)
-        if (params or buffers) and first is None:
-            k = (params + buffers)[0]
-            b_fp, o_fp = (bs.params.get(k), os_.params.get(k)) if params else (bs.buffers.get(k), os_.buffers.get(k))
-            first = FirstDivergence(bs.step, "param", None, k,
-                                    f"{'param fingerprint' if params else 'buffer'} {b_fp} vs {o_fp}")
+        diffs += [Difference(bs.step, "param", k) for k in params] + [Difference(bs.step, "buffer", k) for k in buffers]
+        counts["param"].append(_per_family(params, families))
+        counts["buffer"].append(_per_family(buffers, {k: names.family(k, strict=False) for k in buffers}))
+        if params and first is None:
+            first = FirstDivergence(bs.step, "param", None, params[0],
+                                    f"param fingerprint {bs.params.get(params[0])} vs {os_.params.get(params[0])}")
+        if buffers and first is None:
+            first = FirstDivergence(bs.step, "buffer", None, buffers[0],
+                                    f"buffer fingerprint {bs.buffers.get(buffers[0])} vs {os_.buffers.get(buffers[0])}")
     missing_steps = sorted(({st.step for st in other.steps} ^ {st.step for st in base.steps})
                            - set(range(other.steps[0].step if other.steps else 0)))
     if missing_steps:

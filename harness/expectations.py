@@ -4,7 +4,8 @@ An allowed place that can never match (a step past ``train_iters``, a parameter 
 loss the run does not compute) would pass silently wherever the run happens to be bitwise equal, so a typo
 would never be caught: every such place is a one-line `UsageError`.  The names are the trace's
 (`harness.compare`): losses ``lm``, ``mtp_1``..``mtp_D``, ``lm loss (reported)``, ``microbatch count``;
-``grad norm``; global parameter and buffer names (`trainerkit.names`) for grad, param and inventory.
+``grad norm``; global parameter names (`trainerkit.names`) for grad, param and inventory, buffer names (the
+routers' ``expert_bias``, `trainerkit.names.is_buffer`) for buffer.
 """
 from __future__ import annotations
 
@@ -102,12 +103,19 @@ def _check_place(at: str, place, step_fields: tuple, model: ModelConfig, trainin
     if name is None:
         return
     if kind is None:
-        kind = "loss" if name in _loss_names(model) else "grad"
+        kind = "loss" if name in _loss_names(model) else "buffer" if names.is_buffer(name) else "grad"
     if kind == "loss" and name not in _loss_names(model):
         raise UsageError(f"{at}.name {name!r}: a loss is one of {', '.join(sorted(_loss_names(model)))}")
     if kind == "grad_norm" and name != "grad norm":
         raise UsageError(f"{at}.name {name!r}: the grad norm is named 'grad norm' (or leave name out)")
-    if kind in ("grad", "param", "inventory"):
+    # a buffer differs as kind buffer only (harness.compare): under another kind its name could never match
+    if kind in ("grad", "param", "inventory") and names.is_buffer(name):
+        raise UsageError(f"{at}.name {name!r} is a buffer (the router's expert bias: no gradient, not a "
+                         f"parameter), not a {kind}: write kind: buffer")
+    if kind == "buffer" and not names.is_buffer(name):
+        raise UsageError(f"{at}.name {name!r}: kind buffer names a router's expert bias "
+                         "(e.g. decoder.layers.3.mlp.router.expert_bias)")
+    if kind in ("grad", "param", "inventory", "buffer"):
         problem = _parameter_problem(name, model)
         if problem:
             raise UsageError(f"{at}.name {name!r} {problem}")

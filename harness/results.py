@@ -13,7 +13,8 @@ Verdict = Literal["pass", "fail", "error"]
 Outcome = Literal["reference", "equal", "differs only where allowed", "differs as expected",
                   "unexpected difference", "unexpectedly equal", "not finite", "not finite as expected",
                   "unexpectedly finite", "error"]
-DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "param"]
+#: ``buffer``: a traced buffer after its update (the routers' expert bias), not a parameter (`harness.compare`)
+DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "param", "buffer"]
 
 #: Parameter families used to group mismatches (see `trainerkit.names.family`).
 FAMILIES = ("embedding/head", "attention", "dense mlp", "router", "experts", "shared expert", "norms", "mtp")
@@ -74,7 +75,7 @@ class VariantResult:
     layout_grid: str = ""                         # `PipelineLayout.pretty()`
     options: dict = field(default_factory=dict)   # the variant's overrides of the case defaults
     series: StepSeries = field(default_factory=StepSeries)
-    # mismatch counts per step per family: {"grad": [{family: n}, ...per step], "param": [...]}
+    # mismatch counts per step per family: {"grad": [{family: n}, ...per step], "param": [...], "buffer": [...]}
     family_mismatches: dict = field(default_factory=dict)
     elapsed_s: float = 0.0
     run_dir: str = ""                             # relative to the report dir
@@ -157,9 +158,9 @@ class CaseResult:
     # "modified"}, "base": {...}, "same": bool (base is head's directory)}; None when the case ran on the
     # interpreter's megatron alone
     megatron_sources: Optional[dict] = None
-    # which runs agree bit for bit (`harness.agreement.groups`): {"split": bool, "computations": [{"label",
-    # "key", "split", "warning": str | None, "classes": [{"runs", "size", "has_baseline"}]}], "errored": [str]};
-    # {} when not computed
+    # which runs agree (`harness.agreement.groups`): {"split": bool, "computations": [{"label", "key", "split",
+    # "warning": str | None, "groups": [{"runs", "size", "has_baseline", "classes"}], "classes": [{"runs",
+    # "size", "has_baseline", "group"}]}], "errored": [str]}; {} when not computed
     agreement: dict = field(default_factory=dict)
 
     @property

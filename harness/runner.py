@@ -1,7 +1,9 @@
 """Runs one training run as a process group (one process per rank: P x EP of them) under a watchdog.
 
 Ranks are forked from a forkserver that has already imported torch and the trainer
-(``set_forkserver_preload``), so a 16-rank run does not pay 16 torch imports.  The watchdog ends the run
+(``set_forkserver_preload``, through `trainerkit.preload`), so a 16-rank run does not pay 16 torch imports; a
+trainer that cannot be imported (a syntax error) is then each run's ``error``, its reason the import error's
+line, not a dead forkserver.  The watchdog ends the run
 as soon as any rank exits non-zero or the timeout passes, then terminates, kills and reaps every rank; on a
 timeout it first asks every stuck rank where it waits (`_stacks`), under either launcher.  Should the harness
 itself die (any signal, SIGKILL included), the forkserver, torchrun and every rank die with it
@@ -30,7 +32,21 @@ from . import interrupt
 _CTX = mp.get_context("forkserver")
 # the launch entry point of each trainer: a module with rank_main(...) (forkserver) and main() (torchrun -m)
 WORKERS = {"reference": "reference_impl.worker", "megatron-core": "megatron_trainer.worker"}
-_CTX.set_forkserver_preload([WORKERS["reference"]])
+#: the forkserver's only preload, which imports the modules `_set_preload` names and skips any that fails: a
+#: module that cannot be imported (a syntax error) is then each rank's error, not the forkserver's death
+#: (multiprocessing catches only ImportError there)
+PRELOAD_GUARD = "trainerkit.preload"
+
+
+def _set_preload(modules: list[str]) -> None:
+    """Have a forkserver started from now on import `modules` (through `PRELOAD_GUARD`, which reads them from
+    the environment the forkserver inherits: the variable stays set, read only by that module)."""
+    from trainerkit.process import PRELOAD_ENV
+    os.environ[PRELOAD_ENV] = ",".join(modules)
+    _CTX.set_forkserver_preload([PRELOAD_GUARD])
+
+
+_set_preload([WORKERS["reference"]])
 # Runs go side by side in threads (harness.pool).  A forkserver child's exit status is read from its sentinel
 # once, by whichever poll() comes first, and Process.start() polls *every* child of the process (multiprocessing's
 # _cleanup): two threads polling one child race for those bytes and the loser records 255 (seen as "rank 3 exited
@@ -66,7 +82,7 @@ def preload(configs) -> None:
     megatron = [c for c in configs if c.trainer == "megatron-core"]
     if megatron and {c.megatron_path for c in megatron} == {None} and not any(c.device == "cuda" for c in configs):
         modules.append("megatron_trainer.preload")
-    _CTX.set_forkserver_preload(modules)
+    _set_preload(modules)
     # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
     # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
     # (harness.pool) would be killed when that thread ends, and the next run would find it gone.

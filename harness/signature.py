@@ -21,7 +21,8 @@ anything (the update carries any difference into every later number).  Within on
 `harness.compare`): a differing loss changes the whole backward (everything at `s`); a differing gradient
 ``X`` changes the grad norm, ``X``'s update and, when the runs clip, every update (the clip coefficient);
 a differing gradient of unnamed tensors changes the norm and every update; the grad norm changes every
-update (when clipping); a parameter changes only itself; an inventory difference changes everything.
+update (when clipping); a parameter or a buffer (the routers' expert bias) changes only itself; an inventory
+difference changes everything.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class SignaturePlace(BaseModel):
     model_config = ConfigDict(extra="forbid")
     step: Optional[StrictInt] = Field(None, ge=0)
     from_step: Optional[StrictInt] = Field(None, ge=0)       # this step and every later one
-    kind: Optional[Literal["inventory", "loss", "grad", "grad_norm", "param"]] = None
+    kind: Optional[Literal["inventory", "loss", "grad", "grad_norm", "param", "buffer"]] = None
     name: Optional[str] = Field(None, max_length=300)
     family: Optional[Literal[names.FAMILIES]] = None
 
@@ -90,8 +91,8 @@ def default_signature(wants: list, step: int, clipping: bool) -> list[SignatureP
         elif w.kind == "grad_norm":
             places += [SignaturePlace(step=at, kind="grad_norm")] + \
                 ([SignaturePlace(step=at, kind="param")] if clipping else [])
-        else:
-            places.append(SignaturePlace(step=at, kind="param", name=w.name))
+        else:                                       # param or buffer
+            places.append(SignaturePlace(step=at, kind=w.kind, name=w.name))
     return places
 
 

@@ -289,9 +289,12 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     golden_record = golden.apply(goldens, plan, env, traces, variants, dirs, progress)
     for v in variants:
         (work / v.run_dir / "comparison.json").write_text(json.dumps(comparison_record(v), indent=1))
-    # which runs agree bit for bit with which: a wrong baseline shows as the small group (harness.agreement)
+    # which runs agree with which (bit for bit, or where a passing run's expectation allows it to differ from
+    # its reference): a wrong baseline shows as the small group (harness.agreement)
+    passed = {v.name: v.verdict == "pass" for v in variants}
     agreed = agreement.groups([(r.spec.name, traces[r.spec.name], agreement.computation_key(r.config),
-                                r.spec.compare_to or base_name) for r in plan.runs], base_name)
+                                r.spec.compare_to or base_name, passed.get(r.spec.name, False))
+                               for r in plan.runs], base_name)
     for c in agreed["computations"]:
         if c["warning"]:
             progress(f"[agreement] {c['warning']}")

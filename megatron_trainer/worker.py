@@ -42,8 +42,11 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     process.enter_rank(rank, run_dir, forked=store_path is not None)
     cfg = RunConfig.model_validate_json(cfg_json)
     source.activate(cfg.megatron_path)      # before anything imports megatron
-    from . import compat
-    from .train import train
+    try:        # megatron and the adapter: a broken one is the run's error, its line last in the log
+        from . import compat
+        from .train import train
+    except (Exception, SystemExit) as e:        # noqa: BLE001  a broken tree fails in many ways
+        process.exit_cannot_import("megatron_trainer.train", e)
 
     torch._dynamo.config.disable = True
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -28,7 +28,8 @@ def _load(tmp_path, expect):
     "expect: may_diverge, first_divergence: {kind: grad_norm, max_ulp: 4}",
     "expect: may_diverge, first_divergence: {step: 1, kind: loss, name: mtp_1, microbatch: 3}",
     "expect: may_diverge, first_divergence: [{kind: grad, name: embedding.word_embeddings.weight@mtp}, {kind: grad_norm}]",
-    "expect: diverge, first_divergence: {kind: param, name: decoder.layers.3.mlp.router.expert_bias}",
+    "expect: diverge, first_divergence: {kind: buffer, name: decoder.layers.3.mlp.router.expert_bias}",
+    "expect: diverge, first_divergence: {kind: buffer, name: mtp.layers.0.transformer_layer.mlp.router.expert_bias}",
     "expect: diverge, first_divergence: {kind: inventory, name: mtp.layers.0.eh_proj.weight}",
     "expect: diverge",
     "expect: diverge, replica_drift: {name: embedding.word_embeddings.weight@mtp, step: 1}",
@@ -61,6 +62,15 @@ def test_places_a_run_can_produce_are_accepted(tmp_path, expect):
     ("replica_drift: []", "replica_drift is an empty list"),
     ("replica_drift: [{name: x@mtp}, {name: embedding.word_embeddings.weight}]", "replica_drift[0].name 'x@mtp'"),
     ("replica_drift: {name: embedding.word_embeddings.weight@mtp, when: 1}", "replica_drift"),
+    # the expert bias is a buffer: it differs as kind buffer (harness.compare), never as a param or a grad
+    ("expect: diverge, first_divergence: {kind: param, name: decoder.layers.3.mlp.router.expert_bias}",
+     "is a buffer (the router's expert bias: no gradient, not a parameter), not a param: write kind: buffer"),
+    ("expect: may_diverge, first_divergence: {kind: grad, name: decoder.layers.1.mlp.router.expert_bias}",
+     "not a grad: write kind: buffer"),
+    ("expect: diverge, first_divergence: {kind: buffer, name: decoder.layers.3.mlp.router.weight}",
+     "kind buffer names a router's expert bias"),
+    ("expect: diverge, first_divergence: {kind: buffer, name: decoder.layers.4.mlp.router.expert_bias}",
+     "names decoder layer 4, but the model has 4"),
 ])
 def test_places_that_can_never_match_are_refused(tmp_path, expect, message):
     with pytest.raises(UsageError, match=None) as info:

@@ -44,7 +44,7 @@ def test_the_forkserver_preloads_megatron_only_for_one_source_on_cpu(monkeypatch
     from harness import runner
     from harness.cases import load_case
     seen = []
-    monkeypatch.setattr(runner._CTX, "set_forkserver_preload", seen.append)
+    monkeypatch.setattr(runner, "_set_preload", seen.append)
     config = load_case(ROOT / "cases" / "smoke.yaml").runs[0].config
     mc = config.model_copy(update={"trainer": "megatron-core"})
     for configs, megatron in (([config], False), ([config, mc], True),

@@ -267,3 +267,60 @@ def test_an_interrupt_python_swallowed_still_stops_the_harness():
                           preexec_fn=_default_signals)
     assert "Exception ignored" in done.stderr and "KeyboardInterrupt" in done.stderr, done.stderr
     assert done.stdout.split() == ["went", "on", "stopped"], (done.stdout, done.stderr)
+
+
+# A trainer that cannot be imported (a syntax error in a copy, tests/planted.py): every run is an `error` whose
+# reason is the import error's line, with a report and exit code 1.  The reference trainer's worker is
+# preloaded by the forkserver, which catches only ImportError there: a SyntaxError killed it and `verify` ended
+# in "internal error: EOFError" with no report (measured), while the megatron adapter, imported in its ranks,
+# gave a per-run error.  Its worker is preloaded too, so a syntax error there killed the forkserver the same way.
+TINY = textwrap.dedent("""\
+    name: tiny
+    timeout_s: 120
+    model: {num_layers: 4, moe_layer_freq: "[0]*1+[1]*3"}
+    training: {train_iters: 1, seq_length: 16, num_microbatches: 4}
+    baseline: {name: pp2, pipeline_model_parallel_layout: "Ett|ttmL", pipeline_model_parallel_size: 2}
+    variants:
+      - {name: pp1, pipeline_model_parallel_layout: "Et*4mL", pipeline_model_parallel_size: 1}
+    """)
+BROKEN = {
+    "reference_impl/train.py": "def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:",
+    "megatron_trainer/worker.py": "def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, "
+                                  "store_path: str | None) -> None:",
+    "megatron_trainer/train.py": "def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, "
+                                 "started: float | None = None) -> None:",
+}
+MODULE = {"reference_impl/train.py": "reference_impl.worker", "megatron_trainer/worker.py": "megatron_trainer.worker",
+          "megatron_trainer/train.py": "megatron_trainer.train"}
+
+
+def _broken_verify(tmp_path, path):
+    from planted import planted_tree, run_planted
+    line = BROKEN[path]
+    tree = planted_tree(tmp_path / "tree", {path: [(line, line.replace("(", "(:", 1))]})
+    lineno = (tree / path).read_text().splitlines().index(line.replace("(", "(:", 1)) + 1
+    if path.startswith("megatron"):
+        case, only = ROOT / "tests/cases/megatron-small.yaml", ["--only", "pp2-vpp2-mtp-with-loss"]
+    else:
+        (tmp_path / "tiny.yaml").write_text(TINY)
+        case, only = tmp_path / "tiny.yaml", []
+    proc = run_planted(tree, "verify", case, "--out", tmp_path / "out", *only)
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "out" / case.stem / "summary.json").read_text())
+    want = (f"cannot import {MODULE[path]}: SyntaxError: invalid syntax ({tree / path}, line {lineno})")
+    return proc, summary, want
+
+
+@pytest.mark.arithmetic_free
+@pytest.mark.parametrize("path", ["reference_impl/train.py", *(
+    pytest.param(p, marks=pytest.mark.megatron) for p in ("megatron_trainer/worker.py", "megatron_trainer/train.py"))])
+def test_a_trainer_that_cannot_be_imported_is_a_per_run_error(tmp_path, path):
+    if path.startswith("megatron"):
+        pytest.importorskip("megatron.core")
+    proc, summary, want = _broken_verify(tmp_path, path)
+    assert summary["variants"], summary
+    for v in summary["variants"]:
+        assert v["verdict"] == "error", v
+        assert re.fullmatch(r"rank \d+ exited with code 1: " + re.escape(want), v["reason"]), (v["reason"], want)
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr    # it is in the rank logs
+    assert (tmp_path / "out" / summary["case"] / "index.html").exists()

@@ -20,6 +20,17 @@ _SECTION = (("embedding.", 0), ("decoder.layers.", 1), ("decoder.final_layernorm
 _LAYER_ID = re.compile(r"^(?:decoder|mtp)\.layers\.(\d+)\.")
 
 
+#: Leaves of the persistent state buffers the trainers trace (``buffers`` in TRACE_FORMAT.md): the routers'
+#: ``expert_bias`` (megatron's name, the reference's too).  Not parameters: no gradient, no optimizer state, not
+#: in the inventory; a difference there is a ``buffer`` difference (`harness.compare`), not a ``param`` one.
+BUFFER_LEAVES = ("expert_bias",)
+
+
+def is_buffer(name: str) -> bool:
+    """Whether a global name (a replica tag allowed) is a traced buffer rather than a parameter."""
+    return name.split("@", 1)[0].rsplit(".", 1)[-1] in BUFFER_LEAVES
+
+
 #: The family of a name `family` does not know, when not strict (a user's own model in megatron's training loop).
 OTHER = "other"
 

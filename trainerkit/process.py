@@ -22,6 +22,9 @@ from typing import TextIO
 
 PARENT_AT_IMPORT = os.getppid()         # torchrun worker: the torchrun agent; forkserver: the harness
 IMPORTED_BY = os.getpid()               # forkserver ranks inherit this: the forkserver, i.e. their parent
+#: the modules the harness's forkserver preloads, comma-separated (set by `harness.runner`, read by
+#: `trainerkit.preload`, whose import does the preloading)
+PRELOAD_ENV = "BITPARITY_FORKSERVER_PRELOAD"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 # loaded once here: die_with_parent also runs between fork and exec (the runner's torchrun preexec_fn)
@@ -92,12 +95,43 @@ def enter_rank(rank: int, run_dir: str, forked: bool) -> TextIO:
     return log
 
 
-def launch(worker: str, *args) -> None:
-    """Forkserver target: ``<worker>.rank_main(*args)``, the worker module imported here (in the rank) so the
-    harness never imports a trainer (megatron-core's import alone takes seconds); with the module preloaded in
-    the forkserver this is a dictionary lookup."""
+def launch(worker: str, rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None) -> None:
+    """Forkserver target: ``<worker>.rank_main(rank, world_size, cfg_json, run_dir, store_path)``, the worker
+    module imported here (in the rank) so the harness never imports a trainer (megatron-core's import alone takes
+    seconds); with the module preloaded in the forkserver this is a dictionary lookup.
+
+    A worker that cannot be imported (a syntax error anywhere below it: the forkserver's preload skipped it,
+    `trainerkit.preload`) ends the rank with code 1 after `exit_cannot_import` has written why into its log, the
+    rank's log opened here since ``rank_main`` never runs: otherwise the traceback went to the harness's
+    terminal and the run's error read "(empty log)"."""
     import importlib
-    importlib.import_module(worker).rank_main(*args)
+    try:
+        module = importlib.import_module(worker)
+    except (Exception, SystemExit) as e:        # noqa: BLE001  a broken tree fails in many ways
+        enter_rank(rank, run_dir, forked=store_path is not None)
+        exit_cannot_import(worker, e)
+    module.rank_main(rank, world_size, cfg_json, run_dir, store_path)
+
+
+def cannot_import(module: str, e: BaseException) -> str:
+    """One line for a failed import of `module`: ``cannot import reference_impl.worker: SyntaxError: invalid
+    syntax (/x/reference_impl/train.py, line 152)``.  A SyntaxError's own str() names only the file's base
+    name, and its traceback's last line neither file nor line: the full path says which copy is broken."""
+    if isinstance(e, SyntaxError):
+        what = f"{e.msg} ({e.filename}, line {e.lineno})"
+    else:
+        what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"cannot import {module}: {type(e).__name__}" + (f": {what}" if what else "")
+
+
+def exit_cannot_import(module: str, e: BaseException) -> None:
+    """In a rank whose log is open (`enter_rank`): print `e`'s traceback, then `cannot_import`'s line last (the
+    harness quotes a failed rank's last log line as the run's error, `harness.runner`), and exit with code 1."""
+    import traceback
+    traceback.print_exception(e)
+    print(cannot_import(module, e), flush=True)
+    sys.stdout.flush()
+    raise SystemExit(1)
 
 
 def torchrun_main(rank_main, argv: list[str] | None = None) -> None:

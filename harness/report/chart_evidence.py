@@ -134,14 +134,18 @@ def ulp_histogram_svg(entry: Any) -> Optional[str]:
 
 
 def family_tables(v: VariantResult) -> list[dict]:
-    """Mismatch-count tables of one variant, one per kind present (``grad`` then ``param``)."""
+    """Mismatch-count tables of one variant, one per kind present (``grad``, ``param``, then ``buffer``: the
+    routers' expert bias, counted apart from the parameters, and shown only when one differs: eight family rows
+    of which at most two can hold a buffer would otherwise add an empty panel to every card)."""
     fm = v.family_mismatches or {}
     tables = []
-    for kind in ("grad", "param"):
+    for kind in ("grad", "param", "buffer"):
         per_step = fm.get(kind)
         if not per_step:
             continue
         per_step = [d or {} for d in per_step]
+        if kind == "buffer" and not any(any(d.values()) for d in per_step):
+            continue
         extra = sorted({f for d in per_step for f in d} - set(FAMILIES))
         rows = []
         for fam in list(FAMILIES) + extra:
@@ -167,7 +171,7 @@ def _heat_colour(n: int, peak: int) -> tuple[str, str]:
 
 
 def family_heatmap_svg(v: VariantResult) -> Optional[str]:
-    """Inline SVG heatmap of `v.family_mismatches`: one panel per kind present (grad, then param), families as
+    """Inline SVG heatmap of `v.family_mismatches`: one panel per kind present (grad, param, buffer), families as
     rows, steps as columns; colour intensity by the number of differing tensors (one scale for both panels,
     darkest at the variant's maximum), zero cells light grey.  Every cell has a ``<title>`` tooltip and
     shows its count when it fits.  None when there are no counts or all are zero.  Deterministic."""

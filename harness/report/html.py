@@ -91,9 +91,9 @@ def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -
 
 
 def _agreement(result: CaseResult, anchors: dict) -> list[dict]:
-    """`agreement_splits` with each class's runs as (name, card anchor or None) for the header's links."""
+    """`agreement_splits` with each group's runs as (name, card anchor or None) for the header's links."""
     by_name = {v.name: anchors[i] for i, v in enumerate(result.variants)}
-    return [{**c, "classes": [{**k, "members": [(n, by_name.get(n)) for n in k["runs"]]} for k in c["classes"]]}
+    return [{**c, "groups": [{**k, "members": [(n, by_name.get(n)) for n in k["runs"]]} for k in c["groups"]]}
             for c in agreement_splits(getattr(result, "agreement", None))]
 
 

@@ -39,7 +39,7 @@ def md_cell(s: Any) -> str:
 def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str:
     """A short Markdown verdict table for a CI job page, with a link to the HTML report.
 
-    Above the table, only when the runs of a computation split into bitwise-equal groups
+    Above the table, only when the runs of a computation split into groups that no expectation explains
     (`agreement_markdown`): which runs agree with which, and a warning when the baseline may be the odd one out.
     Columns: variant, layout, P, V, reductions, clip, expect, verdict (+ outcome words), first divergence.
     Under the table: the first differences in canonical order where they name another tensor than the
@@ -135,18 +135,19 @@ def bugs_markdown(result: CaseResult) -> list[str]:
 
 
 def agreement_markdown(agreement, baseline: str) -> list[str]:
-    """Lines for the runs that split into bitwise-equal groups ([] when nothing is split): per split computation
-    its warning (when the baseline or another reference run may be the odd one out), then one list item per
-    group, largest first."""
+    """Lines for the runs that split into groups ([] when nothing is split; `words.agreement_splits`): per split
+    computation its warning (the baseline or another reference run may be the odd one out, or no group holds
+    a majority), then one list item per group, largest first, saying when it joins several bitwise classes."""
     out = []
     for c in agreement_splits(agreement):
         if c["warning"]:
             out += ["", f"⚠️ {md_cell(c['warning'])}"]
         label = f" ({md_cell(c['label'])})" if c["label"] else ""
-        out += ["", f"Runs that agree bit for bit{label}, {len(c['classes'])} groups:"]
-        for k in c["classes"]:
+        out += ["", f"Runs that agree bit for bit or differ only where allowed{label}, {len(c['groups'])} groups:"]
+        for k in c["groups"]:
             names = ", ".join(md_cell(n) + (" (baseline)" if n == baseline else "") for n in k["runs"])
-            out.append(f"- {len(k['runs'])} run{'s' if len(k['runs']) != 1 else ''}: {names}")
+            joined = f" ({k['classes']} bitwise classes)" if k["classes"] > 1 else ""
+            out.append(f"- {len(k['runs'])} run{'s' if len(k['runs']) != 1 else ''}: {names}{joined}")
     return out
 
 

@@ -85,7 +85,8 @@ def summary_dict(result: CaseResult) -> dict:
                                   "unexpected difference"|"unexpectedly equal"|"not finite"|"error",
                        "bitwise_equal": bool|None,
                        "first_divergence": None | {"step": int,
-                                                   "kind": "inventory"|"loss"|"grad"|"grad_norm"|"param",
+                                                   "kind": "inventory"|"loss"|"grad"|"grad_norm"|"param"|
+                                                           "buffer",
                                                    "microbatch": int|None, "name": str,
                                                    "ulp": int|None, "canonical": str|None},
                        "reason": str, "elapsed_s": float,
@@ -121,8 +122,12 @@ def summary_dict(result: CaseResult) -> dict:
                                                (with --megatron-base)},
          "agreement": {} | {"split": bool, "computations": [{"label": str, "key": str, "split": bool,
                                                              "warning": str|None,
+                                                             "groups": [{"runs": [str], "size": int,
+                                                                         "has_baseline": bool,
+                                                                         "classes": int}],
                                                              "classes": [{"runs": [str], "size": int,
-                                                                          "has_baseline": bool}]}],
+                                                                          "has_baseline": bool,
+                                                                          "group": int}]}],
                             "errored": [str]}  (harness.agreement),
          "environment": {...}}
 
@@ -142,10 +147,13 @@ def summary_dict(result: CaseResult) -> dict:
     (``{}`` when not asked).  ``detail_page`` / ``schedule_trace`` are the variant's detail page and Chrome
     trace, relative to the report directory (None without a run directory or a planned timeline).
     ``agreement`` groups the runs that compute the same thing (same computation key: the run without its
-    placement) into classes of bitwise-equal traces, whatever each was compared with: ``label`` names the
-    options that tell a computation from the others (``""`` for a single one), classes come largest first, and
-    ``warning`` says when a reference run (the baseline, or a ``compare_to`` target) stands in a smaller class
-    than the largest, i.e. may be the odd one out; ``{}`` when not computed.
+    placement) into classes of bitwise-equal traces, whatever each was compared with, and joins into one group
+    the classes a passing run links to its reference (its difference is one its expectation allows):
+    ``label`` names the options that tell a computation from the others (``""`` for a single one), groups come
+    largest first, ``split`` says there is more than one group, a class's ``group`` indexes ``groups``, and
+    ``warning`` says when a reference run (the baseline, or a ``compare_to`` target) stands in a smaller group
+    than the largest, i.e. may be the odd one out, or in one of several largest groups ("no majority");
+    ``{}`` when not computed.
     Non-finite numbers are written as strings so the file stays strict JSON.
     """
     golden = getattr(result, "golden", None)

@@ -214,19 +214,25 @@ def run_to_run_words(rr: Any) -> str:
 
 def agreement_splits(agreement: Any) -> list[dict]:
     """The computations of `CaseResult.agreement` (`harness.agreement.groups`) whose runs split into several
-    bitwise-equal classes, for the first screen: ``[{"label": str, "warning": str, "classes": [{"runs": [str],
-    "has_baseline": bool}]}]`` (text cleaned, ``warning`` "" when none); [] when nothing is split, the
-    grouping was not computed, or it is malformed."""
+    groups (runs bitwise equal or differing only where a passing run's expectation allows), for the first
+    screen: ``[{"label": str, "warning": str, "groups": [{"runs": [str], "has_baseline": bool, "classes":
+    int}]}]`` (text cleaned, ``warning`` "" when none, ``classes``: how many bitwise-equal classes the group
+    joins); [] when nothing is split, the grouping was not computed, or it is malformed.  A record without
+    ``groups`` (written before groups existed) shows its bitwise classes, one class a group.
+
+    Why groups and not classes: a passing case whose runs may round differently (P=1, clipping) splits into
+    bitwise classes by design; only a split no expectation explains belongs on the first screen."""
     comps = agreement.get("computations") if isinstance(agreement, dict) else None
     out = []
     for c in comps if isinstance(comps, list) else []:
-        classes = c.get("classes") if isinstance(c, dict) else None
-        if not isinstance(classes, list) or len(classes) < 2:
+        parts = (c.get("groups") if "groups" in c else c.get("classes")) if isinstance(c, dict) else None
+        if not isinstance(parts, list) or len(parts) < 2:
             continue
         out.append({"label": clean_text(c.get("label") or ""), "warning": clean_text(c.get("warning") or ""),
-                    "classes": [{"runs": [clean_text(n) for n in k.get("runs") or []],
-                                 "has_baseline": k.get("has_baseline") is True}
-                                for k in classes if isinstance(k, dict)]})
+                    "groups": [{"runs": [clean_text(n) for n in k.get("runs") or []],
+                                "has_baseline": k.get("has_baseline") is True,
+                                "classes": k.get("classes") if isinstance(k.get("classes"), int) else 1}
+                               for k in parts if isinstance(k, dict)]})
     return out
 
 
