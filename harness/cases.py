@@ -216,10 +216,13 @@ def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: l
                          "whose order among equal values is unspecified): compare a case without it")
     for i, e in enumerate([x] + list(x.megatron_versions)):
         at = where + ("" if i == 0 else f".megatron_versions[{i - 1}] ({e.versions})")
-        if e.first_beyond_bound is not None:
-            if e.expect != "disagree":
-                raise UsageError(f"{at}: first_beyond_bound is only meaningful with expect: disagree")
-            expectations.check_place_name(f"{at}: first_beyond_bound", e.first_beyond_bound, spec.model)
+        for field, places in (("first_beyond_bound", [e.first_beyond_bound]),
+                              ("more_bugs", [m.beyond_bound for m in e.more_bugs])):
+            for j, place in enumerate(p for p in places if p is not None):
+                if e.expect != "disagree":
+                    raise UsageError(f"{at}: {field} is only meaningful with expect: disagree")
+                expectations.check_place_name(f"{at}: {field}" + (f"[{j}].beyond_bound" if field == "more_bugs"
+                                                                   else ""), place, spec.model)
     mine = run.config.model_copy(update={"params_dtype": x.params_dtype})
     other = mine.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
     problem = trainers.problem(mine) or trainers.problem(other)

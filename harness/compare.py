@@ -150,6 +150,16 @@ def _ulp_words(ulp: Optional[int], a_hex: str = "") -> str:
     return f" ({ulp}{wide} ulp)" if ulp is not None else ""
 
 
+def backward_first(keys: list, params: dict) -> str:
+    """Of `keys` (parameter keys in canonical order, as `Trace.order` lists them; not empty), the one whose
+    gradient a step's backward computes first: the last in canonical order (the backward runs the canonical
+    order in reverse, module docstring); of a tensor and its replicas (the same ``params[k]["order"]`` key)
+    the original, whose name the reader knows.  Layout comparisons (`compare`) and the cross-implementation
+    check (`harness.crossimpl.compare`) both name their first gradient so."""
+    last = params[keys[-1]]["order"]
+    return next(k for k in keys if params[k]["order"] == last)
+
+
 def compare(base: Trace, other: Trace) -> Comparison:
     """Compare `other` with `base` bit for bit (fingerprints and loss bits).
 
@@ -190,10 +200,7 @@ def compare(base: Trace, other: Trace) -> Comparison:
         diffs += [Difference(bs.step, "grad", k) for k in grads]
         counts["grad"].append(_per_family(grads, families))
         if grads and first is None:
-            # backward order: the last in canonical order is computed first; of a tensor and its replicas
-            # (same order key) the original is named
-            last = base.params[grads[-1]]["order"]
-            k = next(g for g in grads if base.params[g]["order"] == last)
+            k = backward_first(grads, base.params)
             first = FirstDivergence(bs.step, "grad", None, k,
                                     f"grad fingerprint {bs.grads.get(k)} vs {os_.grads.get(k)}")
             if grads[0] != k:

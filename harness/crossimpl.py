@@ -17,7 +17,18 @@ missing weight decay, a convention mismatch).  What is compared, at one step (``
   ``lr * m / (sqrt(v) + eps)`` ~ ``lr * sign(g)`` per element: a gradient element near zero may change its
   update by a whole ``lr`` between two implementations that agree to 1e-7.
 
-The verdict fails at the first loss (microbatch order) or gradient (canonical order) beyond ``max_ulp``.
+The verdict fails when a loss or a gradient is beyond ``max_ulp``, and names the first such place in dataflow
+order, as layout comparisons name their first divergence (`harness.compare`): the losses first (microbatches
+ascending; lm, then mtp_1..mtp_D), then the gradients in backward order (the reverse of the canonical order:
+output head, MTP, final norm, decoder layers from the last, embedding; `harness.compare.backward_first`), so a
+difference that starts in one layer is named there and not at the word embedding its consequences reach last.
+Beside it the record names the farthest gradient (the largest ULP at tensor scale) and, when it is another
+tensor, the first one in canonical order.  A gradient that is all zero in one trainer and not in the other is
+said so in words (`harness.ulp.scale_words`), not as a ULP count at the scale of zero.
+
+A case states what the comparison must show (`expect`, `first_beyond_bound`, `bug`, per megatron-core
+version); a run that carries more than one upstream bug states each further one with a tensor it puts beyond
+the bound (`more_bugs`), and the record names every stated bug with the tensor it explains (``bugs``).
 """
 from __future__ import annotations
 
@@ -37,9 +48,20 @@ from .expectations import bugs_elsewhere, check_specifiers, entry_for
 from .runner import run_ranks
 from .budget import Deadline
 from .trace import Trace, TraceError, merge
-from .ulp import tensor_stats, ulp_distance
+from .compare import backward_first
+from .ulp import scale_words, tensor_stats, ulp_distance, zero_side
 
 MAX_DUMP_BYTES = 1 << 30
+
+
+class StatedBug(BaseModel):
+    """One more upstream bug a disagreeing comparison carries, and a place it puts beyond the bound: a parameter
+    key (its gradient) or ``loss`` (a microbatch's loss)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    bug: str = Field(min_length=1, max_length=300)
+    beyond_bound: str = Field(min_length=1, max_length=300)
+    _printable = field_validator("bug", "beyond_bound")(printable)
 
 
 class CrossImplementationSpec(BaseModel):
@@ -60,6 +82,8 @@ class CrossImplementationSpec(BaseModel):
     expect: Literal["agree", "disagree"] = "agree"
     first_beyond_bound: Optional[str] = Field(None, max_length=300)
     bug: Optional[str] = Field(None, max_length=300)     # the upstream bug a disagreement shows (the report says it)
+    # further bugs the same run carries, each with a tensor it puts beyond the bound (expect: disagree)
+    more_bugs: list[StatedBug] = Field(default_factory=list, max_length=8)
     # per megatron-core version (PEP 440 specifiers; the first match replaces expect / first_beyond_bound / bug)
     megatron_versions: list["CrossVersionExpectation"] = Field(default_factory=list, max_length=16)
     _printable = field_validator("variant", "first_beyond_bound", "bug")(printable)
@@ -73,6 +97,7 @@ class CrossVersionExpectation(BaseModel):
     expect: Literal["agree", "disagree"]
     first_beyond_bound: Optional[str] = Field(None, max_length=300)
     bug: Optional[str] = Field(None, max_length=300)
+    more_bugs: list[StatedBug] = Field(default_factory=list, max_length=8)
 
     _specifiers = field_validator("versions")(check_specifiers)
     _printable = field_validator("versions", "first_beyond_bound", "bug")(printable)
@@ -82,25 +107,33 @@ CrossImplementationSpec.model_rebuild()
 
 
 def expected(spec: CrossImplementationSpec, version: Optional[str]) -> dict:
-    """{expect, first_beyond_bound, bug} that hold on megatron-core `version` (None: the spec's own)."""
+    """{expect, first_beyond_bound, bug, more_bugs: [{bug, beyond_bound}], bug_elsewhere} that hold on
+    megatron-core `version` (None: the spec's own)."""
     applied = entry_for(spec, version)
     entry = applied or spec
     return {"expect": entry.expect, "first_beyond_bound": entry.first_beyond_bound,
             "bug": entry.bug if entry.bug is not None else spec.bug,
+            "more_bugs": [m.model_dump() for m in entry.more_bugs or spec.more_bugs],
             "bug_elsewhere": bugs_elsewhere(spec, applied)}
 
 
 def judge(rec: dict, want: dict) -> dict:
     """`rec` (a measured comparison: verdict pass / fail) judged against the expectation `want` (`expected`):
-    a ``disagree`` expectation passes only when the runs disagree first where it says, and for no other reason
-    (weights, inventory or data that differ mean the comparison itself is broken).  The measured verdict stays
-    in ``measured``."""
+    a ``disagree`` expectation passes only when the runs disagree first where it says, every further stated bug
+    (``more_bugs``) has its tensor beyond the bound, and for no other reason (weights, inventory or data that
+    differ mean the comparison itself is broken).  The measured verdict stays in ``measured``; ``bugs`` lists
+    each stated bug with ``caught`` and ``words`` (what it explains: the first place beyond the bound, or its
+    own tensor; or why it is not caught)."""
     rec = {**rec, **{f"expected_{k}" if k not in ("bug", "bug_elsewhere") else k: v for k, v in want.items()},
-           "measured": rec["verdict"]}
-    if want["expect"] == "agree" or rec["verdict"] == "error":
+           "measured": rec["verdict"], "bugs": []}
+    if want["expect"] == "agree":
+        return rec
+    if rec["verdict"] == "error":
+        rec["bugs"] = [{"bug": b, "caught": False, "words": rec["reason"]}
+                       for b in [want["bug"], *(m["bug"] for m in want["more_bugs"])] if b]
         return rec
     fb = rec.get("first_beyond_bound")
-    place = None if fb is None else ("loss" if fb["what"] == "loss" else fb["key"])
+    place = None if fb is None else ("loss" if fb["kind"] == "loss" else fb["name"])
     broken = rec["init_differs"] or any(rec["inventory"].values()) or "different data" in rec["reason"]
     if rec["verdict"] == "pass":
         verdict, why = "fail", f"expected the implementations to disagree, but they agree: {rec['reason']}"
@@ -111,7 +144,54 @@ def judge(rec: dict, want: dict) -> dict:
             f"{want['first_beyond_bound']}): {rec['reason']}"
     else:
         verdict, why = "pass", f"disagree as expected: {rec['reason']}"
-    return {**rec, "verdict": verdict, "reason": why}
+    bugs = [{"bug": want["bug"], "place": place, "caught": verdict == "pass", "words": why}] if want["bug"] else []
+    trainers = tuple(rec.get("trainers") or ("a", "b"))      # a bare record (a unit test) names none
+    for m in want["more_bugs"]:
+        at = measured_at(rec, m["beyond_bound"], trainers)
+        if verdict == "fail" and (broken or rec["verdict"] == "pass"):
+            caught, words = False, why
+        elif at is None:
+            caught, words = False, f"{m['beyond_bound']} is not among the compared places"
+        elif at["ulp"] > rec["max_ulp"]:
+            caught, words = True, f"beyond the bound at {at['words']} > {rec['max_ulp']}"
+        else:
+            caught, words = False, f"within the bound at {at['words']} (bound {rec['max_ulp']})"
+        bugs.append({"bug": m["bug"], "place": m["beyond_bound"], "caught": caught, "words": words})
+        if verdict == "pass" and not caught:
+            verdict, why = "fail", f"{m['bug']}: stated beyond the bound at {m['beyond_bound']}, but {words}; {why}"
+        elif caught and verdict == "pass":
+            why += f"; also as stated ({m['bug']}): {words}"
+    return {**rec, "verdict": verdict, "reason": why, "bugs": bugs}
+
+
+def measured_at(rec: dict, place: str, trainers: tuple[str, str]) -> Optional[dict]:
+    """What the comparison record `rec` measured at a stated `place`: ``loss`` (the farthest microbatch loss) or
+    a parameter key (its gradient), as a place dict (`_place`); None when it compared no such place."""
+    if place == "loss":
+        rows = [(r, name, ulp) for r in rec.get("losses") or [] for name, ulp in _loss_ulps(r)]
+        if not rows:
+            return None
+        r, name, ulp = max(rows, key=lambda x: x[2])
+        return _place(rec["step"], "loss", name, {"scaled_ulp": ulp}, trainers, r["microbatch"])
+    row = next((r for r in rec.get("tensors") or [] if r["key"] == place and r.get("grad")), None)
+    return None if row is None else _place(rec["step"], "grad", place, row["grad"], trainers)
+
+
+def _loss_ulps(row: dict) -> list:
+    """[(name, ULP)] of one microbatch's loss row in dataflow order: lm, then mtp_1..mtp_D."""
+    return [("lm", row["lm"])] + [(f"mtp_{k}", u) for k, u in enumerate(row["mtp"], start=1)]
+
+
+def _place(step: int, kind: str, name: str, entry: dict, trainers: tuple[str, str],
+           microbatch: Optional[int] = None) -> dict:
+    """A place of the comparison with its distance, in `harness.results.FirstDivergence`'s fields (step, kind,
+    microbatch, name, ulp) and ``words`` like a layout comparison's first divergence: ``step 0 grad
+    decoder.layers.2.mlp.router.weight, 3.3e+05 ULP at tensor scale`` / ``step 0 loss mb 3 mtp_1, 120 ULP``.
+    `entry`: a tensor entry (``scaled_ulp``, ``zero_in``, ``max_abs_err``) or ``{"scaled_ulp": loss ULP}``."""
+    where = f"step {step} {kind}" + (f" mb {microbatch}" if microbatch is not None else "") + f" {name}"
+    dist = f"{entry['scaled_ulp']} ULP" if kind == "loss" else scale_words(entry, trainers)
+    return {"step": step, "kind": kind, "microbatch": microbatch, "name": name, "ulp": entry["scaled_ulp"],
+            "zero_in": entry.get("zero_in"), "words": f"{where}, {dist}"}
 
 
 def other_trainer(trainer: str) -> str:
@@ -156,7 +236,15 @@ def _run(cfg: RunConfig, step: int, run_dir: Path, timeout: float, launcher: str
 def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
             trainers: tuple[str, str] = ("reference", "megatron-core")) -> dict:
     """The comparison record of two dumped runs at `step`: `a` (with its dumped tensors `ta`) by ``trainers[0]``,
-    `b` by ``trainers[1]``."""
+    `b` by ``trainers[1]``.
+
+    ``first_beyond_bound``: the first loss or gradient beyond `max_ulp` in dataflow order (module docstring), a
+    place dict (`_place`: step, kind, microbatch, name, ulp, zero_in, words) with ``canonical``, the first
+    gradient beyond the bound in canonical order when that is another tensor (else None); None when nothing is
+    beyond.  ``farthest``: the gradient with the largest ULP at tensor scale (a place dict; None without
+    gradients).  Each tensor row's ``grad`` / ``param`` entry: ``scaled_ulp`` (`scaled_ulp`), ``zero_in`` (the
+    trainer whose tensor is all zero while the other's is not, `harness.ulp.zero_side`), ``max_abs_err`` and the
+    per-element statistics of `harness.ulp.tensor_stats`."""
     sa = next(s for s in a.steps if s.step == step)
     sb = next(s for s in b.steps if s.step == step)
     rec: dict = {"step": step, "max_ulp": max_ulp, "first_beyond_bound": None}
@@ -173,9 +261,10 @@ def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
                "mtp": [ulp_distance(x["hex"], y["hex"]) for x, y in zip(la["mtp"], lb["mtp"])],
                "num_tokens_equal": la["num_tokens"] == lb["num_tokens"]}
         losses.append(row)
-        worst = max([row["lm"], *row["mtp"]])
-        if rec["first_beyond_bound"] is None and worst > max_ulp:
-            rec["first_beyond_bound"] = {"what": "loss", "microbatch": row["microbatch"], "ulp": worst}
+        beyond = next(((name, u) for name, u in _loss_ulps(row) if u > max_ulp), None)
+        if rec["first_beyond_bound"] is None and beyond is not None:
+            rec["first_beyond_bound"] = {**_place(step, "loss", beyond[0], {"scaled_ulp": beyond[1]}, trainers,
+                                                  row["microbatch"]), "canonical": None}
     rec["losses"] = losses
     tensors = []
     for key in a.order:
@@ -188,14 +277,22 @@ def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
                 row[what] = None
                 continue
             stats = tensor_stats(x, y)
-            row[what] = {"scaled_ulp": scaled_ulp(x, y), "max_ulp": stats["max_ulp"],
-                         "median_ulp": stats["median_ulp"], "fraction": stats["fraction"],
+            row[what] = {"scaled_ulp": scaled_ulp(x, y), "zero_in": zero_side(x, y, trainers),
+                         "max_ulp": stats["max_ulp"], "median_ulp": stats["median_ulp"],
+                         "fraction": stats["fraction"], "max_abs_err": stats["max_abs_err"],
                          "max_rel_err": stats["max_rel_err"]}
         tensors.append(row)
-        g = row["grad"]
-        if rec["first_beyond_bound"] is None and g is not None and g["scaled_ulp"] > max_ulp:
-            rec["first_beyond_bound"] = {"what": "grad", "key": key, "ulp": g["scaled_ulp"]}
     rec["tensors"] = tensors
+    graded = [r for r in tensors if r["grad"]]
+    over = [r["key"] for r in graded if r["grad"]["scaled_ulp"] > max_ulp]        # canonical order
+    by_key = {r["key"]: r for r in graded}
+    if over and rec["first_beyond_bound"] is None:
+        first = backward_first(over, a.params)
+        rec["first_beyond_bound"] = {**_place(step, "grad", first, by_key[first]["grad"], trainers),
+                                     "canonical": None if over[0] == first else
+                                     _place(step, "grad", over[0], by_key[over[0]]["grad"], trainers)}
+    far = max(graded, key=lambda r: r["grad"]["scaled_ulp"], default=None)    # the first of equals: canonical
+    rec["farthest"] = None if far is None else _place(step, "grad", far["key"], far["grad"], trainers)
     grads = [r["grad"]["scaled_ulp"] for r in tensors if r["grad"]]
     rec["headline"] = {
         "loss_max_ulp": max((max([r["lm"], *r["mtp"]]) for r in losses), default=0),
@@ -215,12 +312,14 @@ def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
         problems.append("the two runs saw different data (token counts or microbatch counts differ)")
     fb = rec["first_beyond_bound"]
     if fb:
-        where = f"loss of microbatch {fb['microbatch']}" if fb["what"] == "loss" else f"gradient of {fb['key']}"
-        problems.append(f"{where}: {fb['ulp']:.4g} ULP > {max_ulp}")
+        problems.append(f"first beyond the bound: {fb['words']} > {max_ulp}"
+                        + (f"; farthest: {rec['farthest']['words']}" if rec["farthest"] else "")
+                        + (f"; first in canonical order: {fb['canonical']['words']}" if fb["canonical"] else ""))
     rec["verdict"] = "fail" if problems else "pass"
     rec["reason"] = "; ".join(problems) or (
         f"losses within {rec['headline']['loss_max_ulp']} ULP, gradients within "
-        f"{rec['headline']['grad_max_scaled_ulp']:.3g} ULP at tensor scale (bound {max_ulp})")
+        f"{rec['headline']['grad_max_scaled_ulp']:.3g} ULP at tensor scale (bound {max_ulp})"
+        + (f", farthest: {rec['farthest']['name']}" if rec["farthest"] else ""))
     return rec
 
 

@@ -201,5 +201,6 @@ def bugs_elsewhere(declared, applied) -> list[str]:
     """The bugs `declared`'s other `megatron_versions` entries state (not `applied`, not the run's own), as
     ``"<bug> (megatron-core <versions>)"``: what the report lists as passing on this run's megatron."""
     own = applied.bug if applied is not None and applied.bug else declared.bug
-    return [f"{e.bug} (megatron-core {e.versions})" for e in declared.megatron_versions
-            if e is not applied and e.bug and e.bug != own]
+    # a cross-implementation entry may state more bugs than one (`harness.crossimpl.StatedBug`)
+    return [f"{bug} (megatron-core {e.versions})" for e in declared.megatron_versions if e is not applied
+            for bug in [e.bug, *(m.bug for m in getattr(e, "more_bugs", ()))] if bug and bug != own]

@@ -127,6 +127,8 @@ class VariantResult:
     # bugs the case states for other megatron versions than this run's, "<bug> (megatron-core <versions>)": the
     # report says they pass here
     bug_elsewhere: list = field(default_factory=list)
+    # MTP depth D of the run's model (0: no MTP, the report labels its layout so); None when not known
+    mtp_num_layers: Optional[int] = None
 
     @property
     def schedule(self) -> str:

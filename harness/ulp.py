@@ -86,3 +86,27 @@ def tensor_stats(a, b, bins: int = 12) -> dict:
             "histogram": hist, "max_abs_err": float(abs_err.max()) if abs_err.size else 0.0,
             "max_rel_err": float(rel.max()) if rel.size else 0.0,
             "nan_mismatch": int((nan_a ^ nan_b).sum())}
+
+
+def zero_side(a, b, names: tuple[str, str]) -> "str | None":
+    """Which of two same-shape tensors (`a` named ``names[0]``, `b` ``names[1]``) is all zero while the other is
+    not: that one's name, else None (both zero, both non-zero, or empty)."""
+    za, zb = not bool(a.detach().ne(0).any()), not bool(b.detach().ne(0).any())
+    if a.numel() == 0 or za == zb:
+        return None
+    return names[0] if za else names[1]
+
+
+def scale_words(entry: dict, names: tuple[str, str]) -> str:
+    """A tensor comparison at its own scale in words: ``"3.3e+05 ULP at tensor scale"``; or, when one side is all
+    zero (`entry["zero_in"]`, a name of `names`), ``"zero in megatron-core, non-zero in reference (largest
+    |difference| 3.1e-04)"``, because a ULP at the scale of an all-zero tensor is the smallest subnormal's
+    (1.4e-45 in fp32): a count in it (~1e41) says nothing a reader can use.
+
+    `entry`: ``{"scaled_ulp": float, "zero_in": str | None, "max_abs_err": float}`` (`harness.crossimpl`)."""
+    zero = entry.get("zero_in")
+    if zero:
+        other = names[1] if zero == names[0] else names[0]
+        largest = entry.get("max_abs_err", float("nan"))
+        return f"zero in {zero}, non-zero in {other} (largest |difference| {largest:.2g})"
+    return f"{entry['scaled_ulp']:.3g} ULP at tensor scale"

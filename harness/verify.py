@@ -265,7 +265,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             run_to_run=repeats.get(name, {}), ulp_evidence=evidence, evidence_error=evidence_error,
             localisation=where or {}, outside_signature=signature.lines(outside),
             outside_signature_count=len(outside), bug=run.spec.bug, nonfinite=str(nonfinite or ""),
-            bug_elsewhere=bugs_elsewhere(run)))
+            bug_elsewhere=bugs_elsewhere(run), mtp_num_layers=run.config.model.mtp_num_layers))
         progress(f"{verdict.upper():5} {name}: {reason}")
     env.update(plan.facts(), launcher=launcher)
     if deadline.text is not None:            # the report says the runs had a time limit (not a fact of the bits)

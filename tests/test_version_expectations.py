@@ -61,9 +61,9 @@ def test_not_finite_is_judged_by_where_training_stopped_being_finite():
 
 
 def _measured(verdict, key="embedding.word_embeddings.weight", broken=False):
-    return {"verdict": verdict, "reason": "r", "init_differs": ["x"] if broken else [],
+    return {"verdict": verdict, "reason": "r", "init_differs": ["x"] if broken else [], "step": 0, "max_ulp": 64,
             "inventory": {"only_in_reference": []}, "first_beyond_bound": None if verdict == "pass" else
-            {"what": "grad", "key": key, "ulp": 2e5}}
+            {"step": 0, "kind": "grad", "microbatch": None, "name": key, "ulp": 2e5}}
 
 
 def test_a_cross_implementation_disagreement_passes_only_where_it_is_expected():
@@ -72,7 +72,7 @@ def test_a_cross_implementation_disagreement_passes_only_where_it_is_expected():
          "bug": "a22c40e8d6"}]})
     want = expected(spec, "0.16.1")
     assert want == {"expect": "disagree", "first_beyond_bound": "embedding.word_embeddings.weight",
-                    "bug": "a22c40e8d6", "bug_elsewhere": []}
+                    "bug": "a22c40e8d6", "more_bugs": [], "bug_elsewhere": []}
     assert judge_cross(_measured("fail"), want)["verdict"] == "pass"
     assert judge_cross(_measured("pass"), want)["verdict"] == "fail"
     assert judge_cross(_measured("fail", key="output_layer.weight"), want)["verdict"] == "fail"

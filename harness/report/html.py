@@ -75,8 +75,7 @@ def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -
         golden=golden if isinstance(golden, dict) and golden else None,
         agreement=_agreement(result, anchors),
         bugs=[(v.name, anchors[i], w) for i, v in enumerate(result.variants) for w in [bug_words(v)] if w]
-        + [("cross-implementation", "cross-implementation", w) for w in [cross_bug_words(result.cross_implementation)]
-           if w],
+        + [("cross-implementation", "cross-implementation", w) for w in cross_bug_words(result.cross_implementation)],
         matrix=verdict_matrix(result, anchors),
         symbols=SYMBOLS,
         cards=card_data,

@@ -129,8 +129,7 @@ def bugs_markdown(result: CaseResult) -> list[str]:
     """The upstream bugs the case states ([] when none): per run with a ``bug``, and for the cross-implementation
     check, whether it was caught and what moved first, how far (`words.bug_words`)."""
     lines = [f"- {md_cell(v.name)}: {md_cell(w)}" for v in result.variants for w in [bug_words(v)] if w]
-    cross = cross_bug_words(result.cross_implementation)
-    lines += [f"- cross-implementation: {md_cell(cross)}"] if cross else []
+    lines += [f"- cross-implementation: {md_cell(w)}" for w in cross_bug_words(result.cross_implementation)]
     return ["", "Upstream bugs this case states:"] + lines if lines else []
 
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from harness.results import CaseResult, VariantResult
 
-from .words import (OUTCOME_LEGEND, canonical_words, clean_text, clip_words, divergence_words,
-                    golden_of, golden_words, outcome_class, outcome_of, outcome_symbol, outside_count, reference_of)
+from .words import (OUTCOME_LEGEND, canonical_words, clean_text, clip_words, divergence_words, golden_of,
+                    golden_words, mtp_words, outcome_class, outcome_of, outcome_symbol, outside_count, reference_of)
 
 #: Options that have their own place in a column label (`VariantResult` fields), not an ``k=v`` line.
 _OWN_FIELDS = {"reductions", "clip_grad", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
@@ -40,8 +40,8 @@ def column_key(v: VariantResult) -> tuple:
 
 
 def row_key(v: VariantResult) -> tuple:
-    """The run's pipeline layout: (layout text, P, V, MTP standalone)."""
-    return (clean_text(v.layout), int(v.pp), int(v.vpp), bool(v.mtp_standalone))
+    """The run's pipeline layout: (layout text, P, V, where it puts MTP: `mtp_words`)."""
+    return (clean_text(v.layout), int(v.pp), int(v.vpp), mtp_words(v))
 
 
 def _column(key: tuple, several_trainers: bool) -> dict:
@@ -59,10 +59,9 @@ def _column(key: tuple, several_trainers: bool) -> dict:
 
 
 def _row(key: tuple) -> dict:
-    layout, pp, vpp, standalone = key
+    layout, pp, vpp, mtp = key
     head = "P1 · no pipelining" if pp == 1 else f"P{pp} · V{vpp}"
-    return {"key": key, "head": head, "mtp": "MTP standalone" if standalone else "MTP with the loss",
-            "layout": layout}
+    return {"key": key, "head": head, "mtp": mtp, "layout": layout}
 
 
 def cell_title(v: VariantResult, baseline: str) -> str:

@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 from harness.results import CaseResult, VariantResult
 
+from harness.ulp import scale_words
+
 from .words import clipping_on, finite_or_none, reference_of
 
 
@@ -92,8 +94,15 @@ def grad_norm_section(result: CaseResult, anchors: dict[int, str]) -> dict:
 
 def cross_section(rec: Optional[dict]) -> Optional[dict]:
     """The cross-implementation section of index.html: the record, its loss rows, and its tensor rows sorted
-    by gradient ULP at tensor scale, worst first."""
+    by gradient ULP at tensor scale, worst first, each with ``cells``: {"grad", "param"} -> the ULP at tensor
+    scale as text, or the words for a tensor all zero on one side (`harness.ulp.scale_words`); "—" when not
+    compared."""
     if not rec:
         return None
+    names = tuple(rec.get("trainers") or ("?", "?"))
     rows = sorted(rec.get("tensors", []), key=lambda r: -(r["grad"]["scaled_ulp"] if r.get("grad") else -1))
+
+    def cell(entry):        # the column says "ULP at scale": the number alone, or the zero-side words
+        return scale_words(entry, names).removesuffix(" ULP at tensor scale") if entry else "—"
+    rows = [{**r, "cells": {w: cell(r.get(w)) for w in ("grad", "param")}} for r in rows]
     return {"rec": rec, "rows": rows, "losses": rec.get("losses", [])}

@@ -101,6 +101,14 @@ def canonical_words(fd: Optional[FirstDivergence]) -> str:
     return " ".join(clean_text(text).split()) if text else ""
 
 
+def mtp_words(v: VariantResult) -> str:
+    """Where a run's layout puts MTP: ``no MTP`` when its model has none (``mtp_num_layers`` 0), else ``MTP
+    standalone`` or ``MTP with the loss`` (also when the depth is not known)."""
+    if getattr(v, "mtp_num_layers", None) == 0:
+        return "no MTP"
+    return "MTP standalone" if v.mtp_standalone else "MTP with the loss"
+
+
 def reference_of(v: VariantResult, baseline: str) -> str:
     """Name of the run `v` is compared with (`compare_to`, the case baseline when unset)."""
     return str(v.compare_to) if v.compare_to else str(baseline)
@@ -394,21 +402,20 @@ def _sig(x: Any) -> str:
     return "—" if f is None else f"{f:.3g}"
 
 
-def cross_bug_words(rec: Any) -> Optional[str]:
-    """The cross-implementation comparison's bug line (its ``bug`` on this megatron version, or the bugs it states
-    for other versions), or None: caught or not, the first tensor beyond the bound and the farthest one."""
+def cross_bug_words(rec: Any) -> list[str]:
+    """The cross-implementation comparison's bug lines, one per bug: each bug it states on this megatron version,
+    caught or not (`harness.crossimpl.judge` ``bugs``), with what that bug explains (the first place beyond the
+    bound and the farthest tensor, or the tensor a further bug states), then the bugs it states for other
+    versions; [] when none."""
     if not isinstance(rec, dict):
-        return None
+        return []
     lines = []
-    if rec.get("bug") and rec.get("expected_expect") == "disagree":
-        state = "caught" if rec.get("verdict") == "pass" else "NOT caught"
-        worst = max((r for r in rec.get("tensors") or [] if isinstance(r, dict) and r.get("grad")),
-                    key=lambda r: r["grad"].get("scaled_ulp") or 0, default=None)
-        far = f"; farthest: gradient of {clean_text(worst['key'])}, {_sig(worst['grad'].get('scaled_ulp'))} ULP at " \
-            "tensor scale" if worst is not None and state == "caught" else ""
-        lines.append(f"{clean_text(rec['bug'])}: {state} by the cross-implementation check — "
-                     f"{clean_text(rec.get('reason', ''))}{far}")
+    if rec.get("expected_expect") == "disagree":
+        for b in rec.get("bugs") or []:
+            if isinstance(b, dict) and b.get("bug"):
+                lines.append(f"{clean_text(b['bug'])}: {'caught' if b.get('caught') else 'NOT caught'} by the "
+                             f"cross-implementation check — {clean_text(b.get('words', ''))}")
     for other in rec.get("bug_elsewhere") or []:
         lines.append(f"{clean_text(other)}: {'passes' if rec.get('verdict') == 'pass' else 'FAILS'} on this "
                      f"megatron — {clean_text(rec.get('reason', ''))}")
-    return "; ".join(lines) or None
+    return lines
