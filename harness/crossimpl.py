@@ -106,6 +106,12 @@ class CrossVersionExpectation(BaseModel):
 CrossImplementationSpec.model_rebuild()
 
 
+def expectation(spec: CrossImplementationSpec, cfg: RunConfig) -> dict:
+    """`expected` on the megatron-core version that the check's megatron side (`cfg` or its other trainer) runs."""
+    megatron = cfg if cfg.trainer == "megatron-core" else cfg.model_copy(update={"trainer": other_trainer(cfg.trainer)})
+    return expected(spec, trainers.megatron_version(megatron.megatron_path))
+
+
 def expected(spec: CrossImplementationSpec, version: Optional[str]) -> dict:
     """{expect, first_beyond_bound, bug, more_bugs: [{bug, beyond_bound}], bug_elsewhere} that hold on
     megatron-core `version` (None: the spec's own)."""
@@ -115,53 +121,6 @@ def expected(spec: CrossImplementationSpec, version: Optional[str]) -> dict:
             "bug": entry.bug if entry.bug is not None else spec.bug,
             "more_bugs": [m.model_dump() for m in entry.more_bugs or spec.more_bugs],
             "bug_elsewhere": bugs_elsewhere(spec, applied)}
-
-
-def judge(rec: dict, want: dict) -> dict:
-    """`rec` (a measured comparison: verdict pass / fail) judged against the expectation `want` (`expected`):
-    a ``disagree`` expectation passes only when the runs disagree first where it says, every further stated bug
-    (``more_bugs``) has its tensor beyond the bound, and for no other reason (weights, inventory or data that
-    differ mean the comparison itself is broken).  The measured verdict stays in ``measured``; ``bugs`` lists
-    each stated bug with ``caught`` and ``words`` (what it explains: the first place beyond the bound, or its
-    own tensor; or why it is not caught)."""
-    rec = {**rec, **{f"expected_{k}" if k not in ("bug", "bug_elsewhere") else k: v for k, v in want.items()},
-           "measured": rec["verdict"], "bugs": []}
-    if want["expect"] == "agree":
-        return rec
-    if rec["verdict"] == "error":
-        rec["bugs"] = [{"bug": b, "caught": False, "words": rec["reason"]}
-                       for b in [want["bug"], *(m["bug"] for m in want["more_bugs"])] if b]
-        return rec
-    fb = rec.get("first_beyond_bound")
-    place = None if fb is None else ("loss" if fb["kind"] == "loss" else fb["name"])
-    broken = rec["init_differs"] or any(rec["inventory"].values()) or "different data" in rec["reason"]
-    if rec["verdict"] == "pass":
-        verdict, why = "fail", f"expected the implementations to disagree, but they agree: {rec['reason']}"
-    elif broken or place is None:
-        verdict, why = "fail", f"the comparison itself is broken: {rec['reason']}"
-    elif want["first_beyond_bound"] is not None and place != want["first_beyond_bound"]:
-        verdict, why = "fail", f"disagree elsewhere than expected (first {place}, expected " \
-            f"{want['first_beyond_bound']}): {rec['reason']}"
-    else:
-        verdict, why = "pass", f"disagree as expected: {rec['reason']}"
-    bugs = [{"bug": want["bug"], "place": place, "caught": verdict == "pass", "words": why}] if want["bug"] else []
-    trainers = tuple(rec.get("trainers") or ("a", "b"))      # a bare record (a unit test) names none
-    for m in want["more_bugs"]:
-        at = measured_at(rec, m["beyond_bound"], trainers)
-        if verdict == "fail" and (broken or rec["verdict"] == "pass"):
-            caught, words = False, why
-        elif at is None:
-            caught, words = False, f"{m['beyond_bound']} is not among the compared places"
-        elif at["ulp"] > rec["max_ulp"]:
-            caught, words = True, f"beyond the bound at {at['words']} > {rec['max_ulp']}"
-        else:
-            caught, words = False, f"within the bound at {at['words']} (bound {rec['max_ulp']})"
-        bugs.append({"bug": m["bug"], "place": m["beyond_bound"], "caught": caught, "words": words})
-        if verdict == "pass" and not caught:
-            verdict, why = "fail", f"{m['bug']}: stated beyond the bound at {m['beyond_bound']}, but {words}; {why}"
-        elif caught and verdict == "pass":
-            why += f"; also as stated ({m['bug']}): {words}"
-    return {**rec, "verdict": verdict, "reason": why, "bugs": bugs}
 
 
 def measured_at(rec: dict, place: str, trainers: tuple[str, str]) -> Optional[dict]:
@@ -336,8 +295,9 @@ def not_run(spec: CrossImplementationSpec, cfg: RunConfig, reason: str) -> dict:
 def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: float, launcher: str,
         progress: Callable[[str], None] = print, deadline: Deadline = Deadline(None)) -> dict:
     """Run `cfg` (the chosen variant's config) with its own trainer and with the other one, each dumping every
-    parameter's gradient and updated value at ``spec.step``, and compare them (`compare`).  Returns the record
-    (``verdict`` pass / fail / error, ``reason``, per-loss and per-tensor rows, ``headline``)."""
+    parameter's gradient and updated value at ``spec.step``, and compare them (`compare`).  Returns the measured
+    record (``verdict`` pass / fail / error against the bound alone, ``reason``, per-loss and per-tensor rows,
+    ``headline``); `harness.judge.judge_cross_implementation` judges it against the case's `expectation`."""
     first, second = cfg.trainer, other_trainer(cfg.trainer)
     cfg = cfg.model_copy(update={"params_dtype": spec.params_dtype})
     base = _base(spec, cfg)
@@ -348,10 +308,7 @@ def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: floa
                          work / second, timeout, launcher, deadline)
         rec = compare(a, ta, b, tb, spec.step, spec.max_ulp, (first, second))
         rec.update(base, elapsed_s={first: ea, second: eb})
-        megatron = cfg if first == "megatron-core" else cfg.model_copy(update={"trainer": second})
-        rec = judge(rec, expected(spec, trainers.megatron_version(megatron.megatron_path)))
     except (RuntimeError, TraceError, StopIteration) as e:
         rec = {**base, "verdict": "error", "reason": str(e) or type(e).__name__}
-    progress(f"      {rec['verdict'].upper()}: {rec['reason']}")
     return rec
 

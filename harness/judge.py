@@ -1,6 +1,8 @@
 """The one judge: every verdict bitparity gives — `bitparity verify`'s runs (`harness.verify`), `bitparity compare`'s
 pair (`harness.compare_dirs`), a drawn layout of `bitparity fuzz` (`harness.fuzz`) — is `decide`'s, from what the
-case expects (`Expectation`) and what was measured of the run (`Evidence`).  Rules, in the order they apply:
+case expects (`Expectation`) and what was measured of the run (`Evidence`); the cross-implementation check's
+(`harness.crossimpl`: two trainers, one run) is `judge_cross_implementation`'s, and a golden's
+(`harness.golden`) adds to a run's verdict.  Rules, in the order they apply:
 
 1. the run did not complete (``error``), or its run-to-run repeats were not all run: ``error``;
 2. run-to-run nondeterminism: ``fail`` (not a layout effect);
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from . import expectations, signature, trainers
+from . import crossimpl, expectations, signature, trainers
 from .cases import PlannedRun
 from .compare import Comparison
 
@@ -214,6 +216,54 @@ def judge(want: Expectation, cmp: Optional[Comparison], error: Optional[str], re
     if want.expect == "may_diverge":
         return "pass", "differs only where allowed", f"differs only where allowed: {_where_words(fd)}{seen}"
     return "pass", "differs as expected", f"differs as expected; {where}{seen}"
+
+
+def judge_cross_implementation(rec: dict, want: dict) -> dict:
+    """The cross-implementation check's verdict: `rec` (`harness.crossimpl.run`'s measured record: verdict
+    pass / fail against the bound alone, or error) judged against the expectation `want` (`harness.crossimpl.expected`):
+    a ``disagree`` expectation passes only when the runs disagree first where it says, every further stated bug
+    (``more_bugs``) has its tensor beyond the bound, and for no other reason (weights, inventory or data that
+    differ mean the comparison itself is broken).  The measured verdict stays in ``measured``; ``bugs`` lists
+    each stated bug with ``caught`` and ``words`` (what it explains: the first place beyond the bound, or its
+    own tensor; or why it is not caught)."""
+    rec = {**rec, **{f"expected_{k}" if k not in ("bug", "bug_elsewhere") else k: v for k, v in want.items()},
+           "measured": rec["verdict"], "bugs": []}
+    if want["expect"] == "agree":
+        return rec
+    if rec["verdict"] == "error":
+        rec["bugs"] = [{"bug": b, "caught": False, "words": rec["reason"]}
+                       for b in [want["bug"], *(m["bug"] for m in want["more_bugs"])] if b]
+        return rec
+    fb = rec.get("first_beyond_bound")
+    place = None if fb is None else ("loss" if fb["kind"] == "loss" else fb["name"])
+    broken = rec["init_differs"] or any(rec["inventory"].values()) or "different data" in rec["reason"]
+    if rec["verdict"] == "pass":
+        verdict, why = "fail", f"expected the implementations to disagree, but they agree: {rec['reason']}"
+    elif broken or place is None:
+        verdict, why = "fail", f"the comparison itself is broken: {rec['reason']}"
+    elif want["first_beyond_bound"] is not None and place != want["first_beyond_bound"]:
+        verdict, why = "fail", f"disagree elsewhere than expected (first {place}, expected " \
+            f"{want['first_beyond_bound']}): {rec['reason']}"
+    else:
+        verdict, why = "pass", f"disagree as expected: {rec['reason']}"
+    bugs = [{"bug": want["bug"], "place": place, "caught": verdict == "pass", "words": why}] if want["bug"] else []
+    trainers = tuple(rec.get("trainers") or ("a", "b"))      # a bare record (a unit test) names none
+    for m in want["more_bugs"]:
+        at = crossimpl.measured_at(rec, m["beyond_bound"], trainers)
+        if verdict == "fail" and (broken or rec["verdict"] == "pass"):
+            caught, words = False, why
+        elif at is None:
+            caught, words = False, f"{m['beyond_bound']} is not among the compared places"
+        elif at["ulp"] > rec["max_ulp"]:
+            caught, words = True, f"beyond the bound at {at['words']} > {rec['max_ulp']}"
+        else:
+            caught, words = False, f"within the bound at {at['words']} (bound {rec['max_ulp']})"
+        bugs.append({"bug": m["bug"], "place": m["beyond_bound"], "caught": caught, "words": words})
+        if verdict == "pass" and not caught:
+            verdict, why = "fail", f"{m['bug']}: stated beyond the bound at {m['beyond_bound']}, but {words}; {why}"
+        elif caught and verdict == "pass":
+            why += f"; also as stated ({m['bug']}): {words}"
+    return {**rec, "verdict": verdict, "reason": why, "bugs": bugs}
 
 
 def bugs_elsewhere(run: PlannedRun) -> list[str]:

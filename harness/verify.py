@@ -23,7 +23,7 @@ from trainerkit.schedule import build_schedule, serialise, timeline
 
 from . import agreement, crossimpl, golden, outdir, pool, signature, trainers
 from .budget import Deadline
-from .judge import Evidence, Expectation, bugs_elsewhere, comparison_record, decide
+from .judge import Evidence, Expectation, bugs_elsewhere, comparison_record, decide, judge_cross_implementation
 from .arithmetic import environment
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
@@ -280,11 +280,14 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     if spec and chosen is None:
         progress(f"[cross-implementation] skipped: variant {spec.variant or base_name!r} is not among the runs (--only)")
     if chosen is not None and deadline.spent():
-        cross = crossimpl.not_run(spec, chosen.config, deadline.not_started().error)
+        cross = judge_cross_implementation(crossimpl.not_run(spec, chosen.config, deadline.not_started().error),
+                                           crossimpl.expectation(spec, chosen.config))
         progress(f"[cross-implementation] {cross['reason']}")
     elif chosen is not None:
-        cross = crossimpl.run(spec, chosen.config, work / "cross-implementation", timeout, launcher, progress,
-                              deadline)
+        cross = judge_cross_implementation(crossimpl.run(spec, chosen.config, work / "cross-implementation",
+                                                         timeout, launcher, progress, deadline),
+                                           crossimpl.expectation(spec, chosen.config))
+        progress(f"      {cross['verdict'].upper()}: {cross['reason']}")
         (work / "cross-implementation" / "cross_implementation.json").write_text(json.dumps(cross, indent=1))
     golden_record = golden.apply(goldens, plan, env, traces, variants, dirs, progress)
     for v in variants:

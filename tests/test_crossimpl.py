@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.crossimpl import CrossImplementationSpec, compare, expected, judge, scaled_ulp
+from harness.crossimpl import CrossImplementationSpec, compare, expected, scaled_ulp
+from harness.judge import judge_cross_implementation as judge
 from harness.trace import StepTrace, Trace
 from trainerkit import names
 

@@ -404,7 +404,7 @@ def _sig(x: Any) -> str:
 
 def cross_bug_words(rec: Any) -> list[str]:
     """The cross-implementation comparison's bug lines, one per bug: each bug it states on this megatron version,
-    caught or not (`harness.crossimpl.judge` ``bugs``), with what that bug explains (the first place beyond the
+    caught or not (`harness.judge.judge_cross_implementation` ``bugs``), with what that bug explains (the first place beyond the
     bound and the farthest tensor, or the tensor a further bug states), then the bugs it states for other
     versions; [] when none."""
     if not isinstance(rec, dict):
