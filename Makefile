@@ -62,7 +62,7 @@ MEGATRON_LM ?=
 PRETRAIN_SCRIPT = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_gpt.py,megatron_trainer/standin/pretrain_gpt.py)
 CAPTURE_DIR ?= reports/capture
 
-.PHONY: verify verify-megatron verify-overlap verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
+.PHONY: lint verify verify-megatron verify-overlap verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -123,8 +123,12 @@ golden: $(STAMP)
 verify-long: $(STAMP)
 	$(BIN)/bitparity verify $(LAYOUTS) --train-iters $(LONG_ITERS) --out reports/long $(ARGS)
 
-# the suite without the megatron-core and torchrun-launch tests (~12-13 min on 2 cores) ...
-test: $(STAMP)
+# ruff (pyproject [tool.ruff]: pyflakes, import order, the complexity cap), the first thing `make test` does
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# the suite without the megatron-core and torchrun-launch tests (~12-13 min on 2 cores), after the lint ...
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not megatron and not torchrun" $(ARGS)
 
 # ... the ranks launched by torchrun instead of the forkserver (~1.5 min) ...

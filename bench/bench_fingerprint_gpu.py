@@ -184,7 +184,7 @@ def sweep(results: dict) -> dict:
                   f"  {sum_ms / ms:5.2f} of torch.sum")
         ms, opts = min(scored, key=lambda s: s[0])
         best[label] = {"options": opts, "ms": ms, "TBps": tbps(nbytes, ms), "ratio_sum": sum_ms / ms}
-        del t
+        t = None      # frees the tensor before the next dtype's (not del: the lambdas above name it)
         _empty_cache()
     results["sweep"] = rows
     results["sweep_best"] = best
@@ -225,7 +225,7 @@ def single(results: dict, best: dict) -> None:
             print(f"  {str(dtype):15} {nbytes // MiB:>5}MiB {row['sum_TBps']:9.2f} {row['copy_read_TBps']:10.2f}"
                   f" {row['fp_TBps']:8.2f} {row['ratio_sum']:6.2f} {tbps(nbytes, best_ms):6.2f}"
                   f" {row['ratio_sum_best']:6.2f} {e2e_ms:9.3f} {row['naive_TBps']:10.3f}")
-            del src, dst
+            src = dst = None      # not del: the lambdas above name them
             _empty_cache()
     results["single"] = rows
 
@@ -252,7 +252,7 @@ def many(results: dict, best: dict) -> None:
     sum_ms = device_ms(lambda: flat_src.sum(), reps=10)
     sum_each_ms = device_ms(lambda: [x.sum() for x in grads], reps=5, sleep_cycles=10 * SLEEP_CYCLES)
     foreach_ms = device_ms(lambda: torch._foreach_copy_(dsts, grads), reps=10, sleep_cycles=10 * SLEEP_CYCLES)
-    del dsts
+    dsts = None
     out = {"tensors": len(grads), "params": nparams, "bytes": nbytes, "scale": scale,
            "copy_ms": copy_ms, "copy_read_TBps": tbps(nbytes, copy_ms), "flat_sum_ms": sum_ms,
            "flat_sum_TBps": tbps(nbytes, sum_ms), "sum_per_tensor_ms": sum_each_ms,

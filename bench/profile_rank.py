@@ -40,8 +40,8 @@ def main() -> int:
 
     from harness.cases import load_case
     from reference_impl.train import train
-    from reference_impl.worker import deterministic_torch
     from reference_impl.transport import setup
+    from reference_impl.worker import deterministic_torch
 
     plan = load_case(args.case, only=[args.variant])
     run = next(r for r in plan.runs if r.spec.name == args.variant)

@@ -62,11 +62,12 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trainerkit.config import MAX_GPUS, MAX_TIMEOUT_S, ModelConfig, TrainingConfig
+from trainerkit.config import DEFAULT_TRAINER, MAX_GPUS, MAX_TIMEOUT_S, ModelConfig, TrainerName, TrainingConfig
 
 from . import bounds
 from .crossimpl import CrossImplementationSpec
 from .expectations import check_specifiers
+from .results import DivergenceKind, Expect
 from .signature import SignaturePlace
 
 
@@ -80,7 +81,7 @@ class ExpectedDivergence(_Strict):
     `max_ulp` (loss and grad_norm only: a scalar with one bit pattern per run) bounds the distance in ULPs."""
 
     step: Optional[int] = Field(None, ge=0)     # None: any step
-    kind: Literal["inventory", "loss", "grad", "grad_norm", "param", "buffer"]
+    kind: DivergenceKind
     name: Optional[str] = None
     _name_printable = field_validator("name")(bounds.printable)
     microbatch: Optional[int] = Field(None, ge=0)
@@ -119,7 +120,7 @@ class VersionExpectation(_Strict):
     run's expect / first_divergence / signature / bug there, so one case states an upstream bug and its fix."""
 
     versions: str = Field(min_length=1, max_length=200)
-    expect: Literal["bitwise", "may_diverge", "diverge", "not_finite"]
+    expect: Expect
     first_divergence: Optional[list[ExpectedDivergence]] = None
     signature: Optional[list[SignaturePlace]] = None
     replica_drift: Optional[list[ReplicaDrift]] = None
@@ -143,7 +144,7 @@ class VariantSpec(_Strict):
     options: dict = Field(default_factory=dict)
     # not_finite: the run must become not finite (a bug caught), first where first_divergence says (kind loss or
     # grad_norm, name lm / mtp_k / grad norm); its comparison with compare_to is not judged
-    expect: Literal["bitwise", "may_diverge", "diverge", "not_finite"] = "bitwise"
+    expect: Expect = "bitwise"
     # one place, or a list of places any one of which may be the first divergence
     first_divergence: Optional[list[ExpectedDivergence]] = None
     signature: Optional[list[SignaturePlace]] = None    # everything that may differ (harness.signature)
@@ -153,7 +154,7 @@ class VariantSpec(_Strict):
     compare_to: Optional[str] = None    # reference run (another variant); default: the baseline
     repeat: int = Field(1, ge=1, le=5)  # run it this many times: a run-to-run (nondeterminism) control
     resume: Optional[ResumeSpec] = None  # start from another run's checkpoint
-    trainer: Optional[Literal["reference", "megatron-core"]] = None    # default: the case's
+    trainer: Optional[TrainerName] = None     # default: the case's
     # megatron's own options by Megatron-LM's names, over the case's `megatron:` (megatron_trainer.options)
     megatron: dict = Field(default_factory=dict)
     # megatron: only megatron's own layout rules (run a layout megatron accepts and trains wrong)
@@ -178,7 +179,7 @@ class CaseSpec(_Strict):
     params_dtype: Optional[Literal["float32", "bfloat16"]] = None   # default: float32 on cpu, bfloat16 on cuda
     num_gpus: Optional[int] = Field(None, ge=1, le=MAX_GPUS)         # cuda: GPUs to spread ranks over
     capture: Literal["full", "activations"] = "full"                 # activations: in-step fingerprints too
-    trainer: Literal["reference", "megatron-core"] = "reference"     # harness.trainers; a variant may override
+    trainer: TrainerName = DEFAULT_TRAINER     # harness.trainers; a variant may override
     # megatron's own options by Megatron-LM's names (megatron_trainer.options); a variant's `megatron:` adds to it
     megatron: dict = Field(default_factory=dict)
     model: ModelConfig

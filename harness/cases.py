@@ -7,25 +7,30 @@ first (`harness.bounds`: the file and its YAML alias expansion, P x EP ranks, P 
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import re
-
 import yaml
 from pydantic import ValidationError
 
-from trainerkit.config import (DataConfig, ParallelConfig, RunConfig, TrainingConfig,
-                               check_data_parallel_microbatches, check_expert_parallel, overlap_problem)
+from trainerkit.config import (
+    DEFAULT_TRAINER,
+    DataConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainingConfig,
+    check_data_parallel_microbatches,
+    check_expert_parallel,
+    overlap_problem,
+)
 from trainerkit.data import DataError, TokenDataset
 from trainerkit.layout import LayoutError, PipelineLayout
 from trainerkit.schedule import ScheduleError, build_schedule, simulate
 
-from . import bounds
-from . import expectations
-from . import trainers
+from . import bounds, expectations, trainers
 from .case_schema import CaseSpec, VariantSpec
 from .crossimpl import other_trainer
 from .errors import UsageError
@@ -98,7 +103,7 @@ def _loc(err: ValidationError, raw: Optional[dict] = None) -> str:
     return f"{where}: {msg}" if where else msg
 
 
-def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Optional[str] = None,
+def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Optional[str] = None,  # noqa: C901 (one check per case field; next: a planner per variant)
               overrides: Optional[dict] = None) -> CasePlan:
     """Read, validate and plan a case file.  `only` keeps the named variants (the baseline always runs).
 
@@ -187,7 +192,7 @@ def _check_resume_trainers(path: Path, spec: CaseSpec) -> None:
         if v.resume is None:
             continue
         for who, name in (("variant", v.name), ("resume.variant", v.resume.variant)):
-            if trainer.get(name, "reference") != "reference":
+            if not trainers.entry(trainer.get(name, DEFAULT_TRAINER)).checkpoints:
                 raise UsageError(f"{path}: variant {v.name!r}: {who} {name!r} runs on trainer {trainer[name]}, which "
                                  "does not checkpoint or resume (a reference-trainer feature)")
 
@@ -216,13 +221,13 @@ def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: l
                          "whose order among equal values is unspecified): compare a case without it")
     for i, e in enumerate([x] + list(x.megatron_versions)):
         at = where + ("" if i == 0 else f".megatron_versions[{i - 1}] ({e.versions})")
-        for field, places in (("first_beyond_bound", [e.first_beyond_bound]),
-                              ("more_bugs", [m.beyond_bound for m in e.more_bugs])):
+        for key, places in (("first_beyond_bound", [e.first_beyond_bound]),
+                            ("more_bugs", [m.beyond_bound for m in e.more_bugs])):
             for j, place in enumerate(p for p in places if p is not None):
                 if e.expect != "disagree":
-                    raise UsageError(f"{at}: {field} is only meaningful with expect: disagree")
-                expectations.check_place_name(f"{at}: {field}" + (f"[{j}].beyond_bound" if field == "more_bugs"
-                                                                   else ""), place, spec.model)
+                    raise UsageError(f"{at}: {key} is only meaningful with expect: disagree")
+                expectations.check_place_name(f"{at}: {key}" + (f"[{j}].beyond_bound" if key == "more_bugs"
+                                                                 else ""), place, spec.model)
     mine = run.config.model_copy(update={"params_dtype": x.params_dtype})
     other = mine.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
     problem = trainers.problem(mine) or trainers.problem(other)
@@ -342,7 +347,7 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
                            megatron={**spec.megatron, **v.megatron})
     except ValidationError as e:
         raise UsageError(f"{where}: {_loc(e)}") from None
-    if trainer != "megatron-core":
+    if not trainers.runs_megatron(trainer):
         for key, bad in (("megatron_versions", v.megatron_versions), ("layout_rules: megatron",
                                                                       v.layout_rules == "megatron")):
             if bad:
@@ -352,4 +357,4 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         raise UsageError(f"{where}: {problem}")
     run = PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)
     return expectations.resolve(run, trainers.megatron_version(config.megatron_path)
-                                if trainer == "megatron-core" else None)
+                                if trainers.runs_megatron(trainer) else None)

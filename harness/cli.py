@@ -18,6 +18,7 @@ import harness
 
 from . import bounds, interrupt, trainers
 from .errors import UsageError
+from .results import EXPECTS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("--out", default="reports", help="report root (default: reports/); the report goes to "
                     "OUT/<name>/")
     cp.add_argument("--name", help="the report's name (default: compare-<A's dir name>-<B's>)")
-    cp.add_argument("--expect", choices=("bitwise", "may_diverge", "diverge", "not_finite"), default="bitwise",
+    cp.add_argument("--expect", choices=EXPECTS, default="bitwise",
                     help="what B is expected to do against A (default: bitwise)")
     cp.add_argument("--first-divergence", action="append", metavar="K=V,...",
                     help="where B may / must first differ, as a case states it: e.g. 'step=0,kind=grad,"
@@ -151,12 +152,13 @@ def _schedule_explain(args) -> int:
 
 
 def _verify(args, argv, started=None) -> int:
-    from .cases import load_case
-    from .budget import Deadline
-    from .verify import verify
     from trainerkit.config import MAX_TIMEOUT_S, MAX_TRAIN_ITERS
+
     from . import golden, sources
     from .arithmetic import cpu_family
+    from .budget import Deadline
+    from .cases import load_case
+    from .verify import verify
     if args.train_iters is not None and not 1 <= args.train_iters <= MAX_TRAIN_ITERS:
         raise UsageError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS}")
     # flags checked before anything is loaded or made (--write-golden makes its directory)
@@ -220,6 +222,7 @@ def _places(texts: list | None) -> list | None:
     if not texts:
         return None
     from pydantic import ValidationError
+
     from .case_schema import ExpectedDivergence
     known = list(ExpectedDivergence.model_fields)
     out = []
@@ -247,8 +250,9 @@ def _places(texts: list | None) -> list | None:
 
 
 def _compare(args, argv) -> int:
-    from . import compare_dirs
     import re
+
+    from . import compare_dirs
     if args.expect == "may_diverge" and not args.first_divergence:
         raise UsageError("--expect may_diverge needs --first-divergence (where B may differ)")
     if args.expect == "bitwise" and args.first_divergence:
@@ -271,8 +275,8 @@ def _check_jobs(jobs) -> None:
 
 
 def _fuzz(args, argv) -> int:
-    from .cases import load_case
     from .budget import parse_budget
+    from .cases import load_case
     from .fuzz import check_out, fuzz, minimal_case_path, write_minimal_case
     from .verify import verify
     budget = parse_budget(args.budget)

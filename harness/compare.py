@@ -22,9 +22,9 @@ from typing import Optional
 
 from trainerkit import names
 
-from .ulp import ulp_distance
 from .results import FAMILIES, FirstDivergence
 from .trace import Trace
+from .ulp import ulp_distance
 
 
 @dataclass

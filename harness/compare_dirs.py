@@ -19,15 +19,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from trainerkit.config import DEFAULT_TRAINER
+
 from . import outdir, signature
 from .case_schema import ExpectedDivergence
 from .compare import compare, replica_status
 from .errors import UsageError
+from .judge import Evidence, Expectation, Verdict, comparison_record, decide
 from .localise import boundary_mismatches, localise
 from .report import write_report
 from .results import CaseResult, VariantResult
 from .trace import RANK_FORMAT, Trace, TraceError, first_nonfinite, merge, overlap_coverage
-from .judge import Evidence, Expectation, Verdict, comparison_record, decide
 from .verify import series
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
@@ -159,7 +161,7 @@ def _variant(name: str, role: str, trace: Trace, header: dict, verdict: Verdict,
         outcome=verdict.outcome, reason=verdict.reason, bitwise_equal=cmp.bitwise_equal if cmp else True,
         first_divergence=cmp.first_divergence if cmp else None, series=series(trace, cmp),
         family_mismatches=cmp.family_mismatches if cmp else {}, run_dir=run_dir, compare_to=compare_to,
-        trainer=header.get("trainer", "reference"), expert_model_parallel_size=trace.expert_model_parallel_size,
+        trainer=header.get("trainer", DEFAULT_TRAINER), expert_model_parallel_size=trace.expert_model_parallel_size,
         data_parallel_size=trace.data_parallel_size, inventory=list(cmp.inventory) if cmp else [],
         command=_command(header, role),
         mtp_num_layers=next((len(x["mtp"]) for st in trace.steps for x in st.losses), None), **extra)
@@ -208,7 +210,7 @@ def run(dir_a: Path, dir_b: Path, out_root: Path, command: str, expect: str = "b
     expect = want.expect
     base = decide(Expectation(is_baseline=True), _evidence(a, ha, compare(a, a), replicas_a, nonfinite_a, None))
     decided = decide(want, _evidence(b, hb, cmp, replicas_b, nonfinite_b, where))
-    verdict, happened, reason = decided.verdict, decided.outcome, decided.reason
+    verdict, reason = decided.verdict, decided.reason
     with outdir.workspace(out_root, case) as (work, final):
         for n, t in ((name_a, a), (name_b, b)):
             (work / "runs" / n).mkdir(parents=True)

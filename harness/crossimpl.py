@@ -40,15 +40,15 @@ from typing import Callable, Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trainerkit.config import DumpConfig, RunConfig
+from trainerkit.config import TRAINERS, DumpConfig, RunConfig
 
 from . import trainers
 from .bounds import printable
+from .budget import Deadline
+from .compare import backward_first
 from .expectations import bugs_elsewhere, check_specifiers, entry_for
 from .runner import run_ranks
-from .budget import Deadline
 from .trace import Trace, TraceError, merge
-from .compare import backward_first
 from .ulp import scale_words, tensor_stats, ulp_distance, zero_side
 
 MAX_DUMP_BYTES = 1 << 30
@@ -108,7 +108,8 @@ CrossImplementationSpec.model_rebuild()
 
 def expectation(spec: CrossImplementationSpec, cfg: RunConfig) -> dict:
     """`expected` on the megatron-core version that the check's megatron side (`cfg` or its other trainer) runs."""
-    megatron = cfg if cfg.trainer == "megatron-core" else cfg.model_copy(update={"trainer": other_trainer(cfg.trainer)})
+    megatron = cfg if trainers.runs_megatron(cfg.trainer) else \
+        cfg.model_copy(update={"trainer": other_trainer(cfg.trainer)})
     return expected(spec, trainers.megatron_version(megatron.megatron_path))
 
 
@@ -154,8 +155,8 @@ def _place(step: int, kind: str, name: str, entry: dict, trainers: tuple[str, st
 
 
 def other_trainer(trainer: str) -> str:
-    """The trainer a cross-implementation run compares `trainer` with."""
-    return "reference" if trainer == "megatron-core" else "megatron-core"
+    """The trainer a cross-implementation run compares `trainer` with (its registry entry's partner)."""
+    return trainers.entry(trainer).partner
 
 
 def scaled_ulp(a, b) -> float:
@@ -193,7 +194,7 @@ def _run(cfg: RunConfig, step: int, run_dir: Path, timeout: float, launcher: str
 
 
 def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
-            trainers: tuple[str, str] = ("reference", "megatron-core")) -> dict:
+            trainers: tuple[str, str] = TRAINERS) -> dict:
     """The comparison record of two dumped runs at `step`: `a` (with its dumped tensors `ta`) by ``trainers[0]``,
     `b` by ``trainers[1]``.
 

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from trainerkit.config import DumpConfig, RunConfig
 
-from .runner import run_ranks
 from .budget import Deadline
+from .runner import run_ranks
 from .trace import Trace
 from .ulp import tensor_stats
 

@@ -29,10 +29,6 @@ from . import crossimpl, expectations, signature, trainers
 from .cases import PlannedRun
 from .compare import Comparison
 
-#: What a run's `expect` may say (`harness.case_schema`).
-EXPECTS = ("bitwise", "may_diverge", "diverge", "not_finite")
-#: A verdict: the exit code's part.
-VERDICTS = ("pass", "fail", "error", "unchecked")
 #: The format tag of ``runs/<variant>/comparison.json`` (`comparison_record`).
 COMPARISON_FORMAT = "bitparity-comparison/1"
 
@@ -269,7 +265,7 @@ def judge_cross_implementation(rec: dict, want: dict) -> dict:
 def bugs_elsewhere(run: PlannedRun) -> list[str]:
     """The bugs `run`'s variant states for other megatron versions than the one it ran on."""
     declared = run.declared or run.spec
-    if run.config.trainer != "megatron-core" or not declared.megatron_versions:
+    if not trainers.runs_megatron(run.config.trainer) or not declared.megatron_versions:
         return []
     return expectations.bugs_elsewhere(declared, expectations.entry_for(
         declared, trainers.megatron_version(run.config.megatron_path)))

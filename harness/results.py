@@ -5,9 +5,14 @@ Plain dataclasses so that `dataclasses.asdict` gives the JSON written to `summar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
+
+from trainerkit.config import DEFAULT_TRAINER
 
 Verdict = Literal["pass", "fail", "error"]
+#: What a run's ``expect`` may say (a case's variant, `bitparity compare --expect`): the one list.
+Expect = Literal["bitwise", "may_diverge", "diverge", "not_finite"]
+EXPECTS: tuple = get_args(Expect)
 #: What a reader sees first, one of five (plus the reference run's own): the verdict says whether the
 #: expectation held, the outcome says what happened.
 Outcome = Literal["reference", "equal", "differs only where allowed", "differs as expected",
@@ -66,7 +71,7 @@ class VariantResult:
     pp: int
     vpp: int
     mtp_standalone: bool
-    expect: Literal["bitwise", "may_diverge", "diverge", "not_finite"]
+    expect: Expect
     verdict: Verdict
     bitwise_equal: Optional[bool]                 # None when the run errored
     first_divergence: Optional[FirstDivergence]
@@ -82,7 +87,7 @@ class VariantResult:
     command: str = ""                             # command that reproduces this variant alone
     compare_to: str = ""                          # the reference run it is compared with
     reductions: str = "megatron"                  # reduction mode (reference_impl/reductions.py)
-    trainer: str = "reference"                    # which trainer ran it (harness.trainers)
+    trainer: str = DEFAULT_TRAINER                # which trainer ran it (harness.trainers)
     clip_grad: float = 0.0
     # schedule timeline with unit costs (forward 1, backward 2): one dict per compute action
     # {rank, start, end, op: "F"|"B", stage, microbatch}; and the idle fraction of rank-time

@@ -12,26 +12,27 @@ itself die (any signal, SIGKILL included), the forkserver, torchrun and every ra
 from __future__ import annotations
 
 import multiprocessing as mp
-from multiprocessing import forkserver, resource_tracker
+import multiprocessing.connection
 import os
 import re
 import signal
 import subprocess
 import sys
-import multiprocessing.connection
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 from typing import Optional
 
-from trainerkit.config import RunConfig
+from trainerkit.config import DEFAULT_TRAINER, RunConfig
 
-from . import interrupt
+from . import interrupt, trainers
 
 _CTX = mp.get_context("forkserver")
-# the launch entry point of each trainer: a module with rank_main(...) (forkserver) and main() (torchrun -m)
-WORKERS = {"reference": "reference_impl.worker", "megatron-core": "megatron_trainer.worker"}
+# the launch entry point of each trainer (`harness.trainers.REGISTRY`): a module with rank_main(...) (forkserver)
+# and main() (torchrun -m)
+WORKERS = {name: t.worker for name, t in trainers.REGISTRY.items()}
 #: the forkserver's only preload, which imports the modules `_set_preload` names and skips any that fails: a
 #: module that cannot be imported (a syntax error) is then each rank's error, not the forkserver's death
 #: (multiprocessing catches only ImportError there)
@@ -46,7 +47,7 @@ def _set_preload(modules: list[str]) -> None:
     _CTX.set_forkserver_preload([PRELOAD_GUARD])
 
 
-_set_preload([WORKERS["reference"]])
+_set_preload([WORKERS[DEFAULT_TRAINER]])
 # Runs go side by side in threads (harness.pool).  A forkserver child's exit status is read from its sentinel
 # once, by whichever poll() comes first, and Process.start() polls *every* child of the process (multiprocessing's
 # _cleanup): two threads polling one child race for those bytes and the loser records 255 (seen as "rank 3 exited
@@ -78,10 +79,11 @@ def preload(configs) -> None:
     source the harness put on its own sys.path) and none runs on CUDA: importing megatron initialises CUDA,
     which a forked rank then cannot use."""
     configs = list(configs)
-    modules = [WORKERS[t] for t in ("reference", *sorted({c.trainer for c in configs} - {"reference"}))]
-    megatron = [c for c in configs if c.trainer == "megatron-core"]
+    names = (DEFAULT_TRAINER, *sorted({c.trainer for c in configs} - {DEFAULT_TRAINER}))
+    modules = [WORKERS[t] for t in names]
+    megatron = [c for c in configs if trainers.runs_megatron(c.trainer)]
     if megatron and {c.megatron_path for c in megatron} == {None} and not any(c.device == "cuda" for c in configs):
-        modules.append("megatron_trainer.preload")
+        modules += [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
     _set_preload(modules)
     # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
     # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread

@@ -82,14 +82,14 @@ def with_sources(plan: CasePlan, head: Optional[dict], base: Optional[dict]) -> 
     flags = (["--megatron-base", base["spelled"]] if base else []) + (
         ["--megatron-head", head["spelled"] or head["path"]] if head["spelled"] or (base and head["path"]) else [])
     head_path = head["path"] if head["spelled"] else None
-    megatron = [r for r in plan.runs if r.config.trainer == "megatron-core"]
+    megatron = [r for r in plan.runs if trainers.runs_megatron(r.config.trainer)]
     if not megatron:
         raise UsageError(f"{plan.path}: {flags[0]}: the case has no megatron-core run (trainer: megatron-core) "
                          "to run on another megatron")
     # each run's expectation for head's megatron version (its megatron_versions entry)
     runs = [expectations.resolve(dataclasses.replace(r, config=r.config.model_copy(update={"megatron_path": head_path})),
                                  head.get("version"))
-            if r.config.trainer == "megatron-core" else r for r in plan.runs]
+            if trainers.runs_megatron(r.config.trainer) else r for r in plan.runs]
     sources = {"head": {k: v for k, v in head.items() if k != "spelled"}}
     if base is not None:
         taken = [n for n in [plan.spec.baseline.name] + [v.name for v in plan.spec.variants] if n.endswith(BASE_SUFFIX)]

@@ -1,20 +1,69 @@
-"""The trainers the harness launches, and what each can run: one line saying why not, before anything runs.
+"""The registry of the trainers the harness launches (`REGISTRY`: one `Trainer` entry each), and what each can
+run: one line saying why not, before anything runs.
 
-The harness reaches a trainer only through its worker module (`runner.WORKERS`) and the trace it writes
-(TRACE_FORMAT.md).  ``reference`` is ours (reference_impl); ``megatron-core`` runs megatron-core's own GPTModel,
-schedules, DDP and optimizer (megatron_trainer; the optional extra ``bitparity[megatron]``).  For the latter
-the run config is also handed to megatron's own ``TransformerConfig`` here, in the harness, so megatron's
+The harness reaches a trainer only through this registry: its worker module (the ranks' entry point,
+`harness.runner`), its admission (`problem`), its planted faults, its cross-implementation partner, and the trace
+it writes (TRACE_FORMAT.md).  ``reference`` is ours (reference_impl); ``megatron-core`` runs megatron-core's own
+GPTModel, schedules, DDP and optimizer (megatron_trainer; the optional extra ``bitparity[megatron]``).  For the
+latter the run config is also handed to megatron's own ``TransformerConfig`` here, in the harness, so megatron's
 validator (layout, MoE, MTP, overlap rules) speaks at planning time, not in every rank; for a megatron the
 harness does not import (the base of ``verify --megatron-base``), in a process that imports it
 (`validate_elsewhere`).
+
+The names are `trainerkit.config.TRAINERS` (the run description's vocabulary, the one list); a new trainer (or
+a second megatron model class run by its own worker) is its package with a ``worker`` module that writes the trace,
+its name there, and one entry here (README "Adding a trainer").
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from megatron_trainer.source import SourceError, activate, installed_root, megatron_source  # noqa: F401  (harness.sources)
+from trainerkit.config import DEFAULT_TRAINER, TRAINERS, RunConfig
 
-from trainerkit.config import RunConfig
+
+@dataclass(frozen=True)
+class Trainer:
+    """One trainer the harness can launch.
+
+    name: its `trainerkit.config.TRAINERS` name (a case's ``trainer:``).  worker: the module each rank runs
+    (``python -m`` under torchrun, `trainerkit.process.launch` under fork; it must write TRACE_FORMAT.md's trace).
+    admission: why a run config cannot run on it, in one line, or None (`problem`).  faults: the planted faults
+    its ranks know (test-only, ``inject``).  partner: the trainer the cross-implementation check compares it
+    with (`harness.crossimpl`).  megatron: it imports a megatron-core (per-version expectations
+    ``megatron_versions``, ``layout_rules: megatron``, ``--megatron-base``, megatron's validator).  checkpoints:
+    it writes checkpoints and resumes from them (a case's ``resume:``).  library_preload: a module the forkserver
+    may import so that ranks fork with the trainer's library loaded (`harness.runner.preload` says when)."""
+
+    name: str
+    worker: str
+    admission: Callable[[RunConfig], Optional[str]]
+    faults: Callable[[], tuple]
+    partner: str
+    megatron: bool = False
+    checkpoints: bool = False
+    library_preload: Optional[str] = None
+
+
+def entry(name: str) -> Trainer:
+    """The registry entry of trainer `name` (a `trainerkit.config.TRAINERS` name: validated before here).
+
+    Raises:
+        KeyError: `name` is not a registered trainer."""
+    return REGISTRY[name]
+
+
+def runs_megatron(name: str) -> bool:
+    """Whether trainer `name` imports a megatron-core (its runs have megatron versions and sources)."""
+    return entry(name).megatron
+
+
+def is_default(name: Optional[str]) -> bool:
+    """Whether `name` (None: not said) is the default trainer (`trainerkit.config.DEFAULT_TRAINER`): a run the
+    report need not label with its trainer."""
+    return name is None or name == DEFAULT_TRAINER
+
 
 def megatron_version(path: Optional[str] = None) -> Optional[str]:
     """The version of the megatron-core the ranks of a run with ``megatron_path`` `path` will import
@@ -36,7 +85,7 @@ def versions(config: RunConfig) -> dict:
     """What a manifest records about the run's trainer: its name and, for megatron-core, the library's version,
     the compatibility layer's version and the points it patches on this run's device (`megatron_trainer.compat`;
     evaluated here, where the rank's environment is the same)."""
-    if config.trainer != "megatron-core":
+    if not runs_megatron(config.trainer):
         return {"trainer": config.trainer}
     from megatron_trainer import compat, compat_overlap
     src = megatron_source(config.megatron_path) or {}
@@ -51,36 +100,45 @@ def versions(config: RunConfig) -> dict:
 
 
 def problem(config: RunConfig) -> Optional[str]:
-    """Why `config` cannot run on its trainer, in one line (None when it can).
+    """Why `config` cannot run on its trainer, in one line (None when it can): its entry's admission
+    (`_reference_problem`, `_megatron_problem`)."""
+    return entry(config.trainer).admission(config)
 
-    reference: DP = 1; its planted fault (`config.inject`) must be one of `reference_impl.faults`.  megatron-core: the extra must be installed (and, on CPU, be a version the compat layer was checked
-    against); reductions ``megatron`` only (``canonical`` is the reference's layout-invariant mode); EP divides DP (in
-    megatron the EP ranks are carved out of data parallelism; TP = CP = 1); no activation capture, checkpoints or resume (the
-    reference's probes); planted faults from `megatron_trainer.faults` only; on CUDA one GPU per rank (ranks
-    cannot share a GPU over NCCL); then megatron's own config validator.
-    """
-    if config.trainer == "reference":
-        if config.parallel.data_parallel_size > 1:
-            return ("data_parallel_size > 1 is the megatron-core trainer's (trainer: megatron-core); the reference "
-                    "trainer's EP ranks share their microbatches (expert_model_parallel_size alone)")
-        from reference_impl import faults, options
-        try:
-            faults.check(config.inject)
-        except faults.FaultError as e:
-            return str(e)
-        if isinstance(config.model.moe_aux_loss_coeff, list):
-            return ("model.moe_aux_loss_coeff as a list (one per load-balancing type) is megatron's; the reference "
-                    "trainer has the one seq_aux_loss coefficient")
-        if config.parallel.layout_rules != "bitparity":
-            return "layout_rules: megatron is the megatron-core trainer's (a layout megatron accepts and trains wrong)"
-        return options.problem(config.megatron)
+
+def _reference_problem(config: RunConfig) -> Optional[str]:
+    """Why `config` cannot run on the reference trainer: DP = 1 (its EP ranks share their microbatches); its
+    planted fault (`config.inject`) must be one of `reference_impl.faults`; one load-balancing coefficient;
+    bitparity's layout rules; the megatron options it implements (`reference_impl.options`)."""
+    if config.parallel.data_parallel_size > 1:
+        return ("data_parallel_size > 1 is the megatron-core trainer's (trainer: megatron-core); the reference "
+                "trainer's EP ranks share their microbatches (expert_model_parallel_size alone)")
+    from reference_impl import faults, options
+    try:
+        faults.check(config.inject)
+    except faults.FaultError as e:
+        return str(e)
+    if isinstance(config.model.moe_aux_loss_coeff, list):
+        return ("model.moe_aux_loss_coeff as a list (one per load-balancing type) is megatron's; the reference "
+                "trainer has the one seq_aux_loss coefficient")
+    if config.parallel.layout_rules != "bitparity":
+        return "layout_rules: megatron is the megatron-core trainer's (a layout megatron accepts and trains wrong)"
+    return options.problem(config.megatron)
+
+
+def _megatron_problem(config: RunConfig) -> Optional[str]:
+    """Why `config` cannot run on the megatron-core trainer: the extra must be installed (and, on CPU, be a
+    version the compat layer was checked against); reductions ``megatron`` only (``canonical`` is the reference's
+    layout-invariant mode); EP divides DP (megatron carves the EP ranks out of data parallelism; TP = CP = 1);
+    no activation capture, checkpoints or resume (the reference's probes); planted faults from
+    `megatron_trainer.faults` only; on CUDA one GPU per rank (ranks cannot share a GPU over NCCL); then megatron's
+    own config validator (`megatron_config_problem`)."""
     version = megatron_version(config.megatron_path)
     if version is None and config.megatron_path is not None:
         return f"trainer megatron-core: {config.megatron_path}: no megatron/core/ in it"
     if version is None:
         return ("trainer megatron-core: megatron-core is not installed; install the extra with "
                 "`pip install -e '.[megatron]'` (or run `make verify-megatron`)")
-    from megatron_trainer import compat, faults, validate
+    from megatron_trainer import compat, validate
 
     if imported_here(config):
         problem = validate.import_problem()     # distribution metadata can outlive a broken install
@@ -103,11 +161,11 @@ def problem(config: RunConfig) -> Optional[str]:
     if config.capture == "activations":
         return "trainer megatron-core: capture: activations needs the reference trainer's probes"
     for key in ("checkpoint", "resume_from"):
-        if getattr(config, key) is not None:
+        if getattr(config, key) is not None and not entry(config.trainer).checkpoints:
             return f"trainer megatron-core: {key} is a reference-trainer feature"
-    if config.inject is not None and config.inject not in faults.NAMES:
-        return (f"trainer megatron-core: unknown fault {config.inject!r} (the megatron trainer knows: "
-                f"{', '.join(faults.NAMES)})")
+    known = entry(config.trainer).faults()
+    if config.inject is not None and config.inject not in known:
+        return f"trainer megatron-core: unknown fault {config.inject!r} (the megatron trainer knows: {', '.join(known)})"
     if config.device == "cuda":
         import torch
         if par.world_size > torch.cuda.device_count():
@@ -152,3 +210,28 @@ def validate_elsewhere(configs: list[RunConfig], timeout_s: float = 300.0) -> li
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise UsageError(f"megatron in {path}: its validator failed (exit {done.returncode}): {last}")
     return out
+
+
+def _reference_faults() -> tuple:
+    from reference_impl import faults
+    return tuple(faults.FAULTS)
+
+
+def _megatron_faults() -> tuple:
+    from megatron_trainer import faults
+    return tuple(faults.NAMES)
+
+
+#: Every trainer the harness launches, by name (the keys are `trainerkit.config.TRAINERS`, checked below).
+REGISTRY: dict[str, Trainer] = {t.name: t for t in (
+    Trainer("reference", "reference_impl.worker", _reference_problem, _reference_faults, partner="megatron-core",
+            checkpoints=True),
+    Trainer("megatron-core", "megatron_trainer.worker", _megatron_problem, _megatron_faults, partner="reference",
+            megatron=True, library_preload="megatron_trainer.preload"),
+)}
+# the run description's vocabulary and the registry are one list: a name without an entry would pass a case's
+# validation and crash at launch, an entry without a name could never be chosen
+if set(REGISTRY) != set(TRAINERS):
+    raise ImportError(
+        "harness.trainers: REGISTRY and trainerkit.config.TRAINERS differ: names without an entry "
+        f"{sorted(set(TRAINERS) - set(REGISTRY))}, entries without a name {sorted(set(REGISTRY) - set(TRAINERS))}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+
 def ordered(bits: int, width: int) -> int:
     """The monotone integer of one sign-magnitude bit pattern of `width` bits (the module's definition)."""
     sign = 1 << (width - 1)
@@ -53,8 +54,6 @@ def tensor_stats(a, b, bins: int = 12) -> dict:
     [[upper ulp bound, count], ...] on power-of-two buckets, max_abs_err, max_rel_err, nan_mismatch}.
     Raises ValueError on a dtype/shape mismatch or a non-floating dtype.
     """
-    import torch
-
     from trainerkit.fingerprint import raw_bits
     if a.dtype != b.dtype or a.shape != b.shape:
         raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")

@@ -7,27 +7,26 @@ and replica status (`harness.judge.comparison_record`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
-
-import dataclasses
-from dataclasses import asdict
 
 from trainerkit.config import CheckpointConfig
 from trainerkit.data import text_sha256
 from trainerkit.schedule import build_schedule, serialise, timeline
 
 from . import agreement, crossimpl, golden, outdir, pool, signature, trainers
-from .budget import Deadline
-from .judge import Evidence, Expectation, bugs_elsewhere, comparison_record, decide, judge_cross_implementation
 from .arithmetic import environment
+from .budget import Deadline
 from .cases import CasePlan, PlannedRun
 from .compare import Comparison, compare, replica_status
 from .evidence import collect as collect_evidence
+from .judge import Evidence, Expectation, bugs_elsewhere, comparison_record, decide, judge_cross_implementation
 from .localise import boundary_mismatches, localise
 from .report import write_report
 from .report.words import megatron_source_words
@@ -149,7 +148,7 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
                        goldens, jobs or pool.cores(), deadline or Deadline(None))
 
 
-def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
+def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,  # noqa: C901 (next: run, judge and report phases apart)
             goldens, jobs, deadline) -> CaseResult:
     env = environment()
     timeout = timeout_s or plan.spec.timeout_s
@@ -177,7 +176,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         name = run.spec.name
         run = dataclasses.replace(run, config=plan_configs[name])
         ep, dp = run.config.parallel.expert_model_parallel_size, run.config.parallel.data_parallel_size
-        who = "" if run.config.trainer == "reference" else f" [{run.config.trainer}]"
+        who = "" if trainers.is_default(run.config.trainer) else f" [{run.config.trainer}]"
         if deadline.spent():
             outcome = deadline.not_started()
             (work / dirs[name]).mkdir(parents=True, exist_ok=True)
@@ -230,7 +229,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         alike = run.twin_of is not None and cmp is not None and cmp.bitwise_equal
         nonfinite = first_nonfinite(trace) if trace is not None else None
         coverage = overlap_coverage(trace, run.config.parallel.overlap_moe_expert_parallel_comm) \
-            if trace is not None and run.config.trainer == "megatron-core" else {}
+            if trace is not None and trainers.runs_megatron(run.config.trainer) else {}
         fd = cmp.first_divergence if cmp else None
         where = localise(ref, trace, fd.step) if fd is not None and fd.kind != "inventory" else None
         decided = decide(Expectation.of(run), Evidence(

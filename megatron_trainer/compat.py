@@ -185,7 +185,7 @@ def points(device_type: str, expert_parallel_or_overlap: bool = False, bf16: boo
     or the MoE 1F1B overlap also `compat_overlap.POINTS`, in bf16 also `compat_overlap.BF16_POINTS`; on CUDA point 2, and 3, 7 and 9 when Transformer
     Engine is not installed (recorded in the manifest)."""
     if device_type == "cpu":
-        from .compat_overlap import BF16_POINTS, POINTS      # (imports this module)
+        from .compat_overlap import BF16_POINTS, POINTS  # (imports this module)
         extra = (POINTS if expert_parallel_or_overlap else ()) + (BF16_POINTS if bf16 else ())
         return ("1", "2", "3", "4", "5", "6", "7", "8", "9") + extra
     return ("2",) if _have_te() else LOCAL_SPEC_POINTS

@@ -128,6 +128,7 @@ def _wheel_helpers() -> tuple:
     """W1 (module docstring): returns ("W1",) when applied."""
     import importlib.util
     from pathlib import Path
+
     from megatron.core.datasets import utils as dutils
 
     here = Path(dutils.__file__).parent

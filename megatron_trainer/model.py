@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainerkit.config import RunConfig
 from trainerkit import names
+from trainerkit.config import RunConfig
 
 from . import faults, options
 
@@ -117,8 +117,11 @@ def build_chunks(cfg: RunConfig, config) -> list:
     the current device; parameters not yet re-initialised)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs,
-                                                          get_gpt_mtp_block_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_decoder_layer_specs,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.transformer.enums import ModelType
 
     virtual = config.virtual_pipeline_model_parallel_size

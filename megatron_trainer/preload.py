@@ -6,7 +6,7 @@ Not preloaded when a run names its megatron (``--megatron-base / --megatron-head
 from megatron_trainer import worker  # noqa: F401  the worker's own guard (forkserver: SIGINT ignored) first
 
 try:                            # the optional extra: without it the harness says so before anything runs
-    import megatron.core        # noqa: F401
+    import megatron.core  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401

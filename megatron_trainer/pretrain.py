@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--bitparity-out {args.bitparity_out}: not writable")
 
     import torch
+
     from . import compat, compat_training
 
     cuda = torch.cuda.is_available()

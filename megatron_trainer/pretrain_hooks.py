@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from trainerkit.capture import RankCapture, microbatch_losses, scalar
 from trainerkit import names
+from trainerkit.capture import RankCapture, microbatch_losses, scalar
 from trainerkit.init import init_parameters
 
 from . import train as megatron_train

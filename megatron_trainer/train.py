@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from trainerkit import names
+from trainerkit.capture import RankCapture, dump_tensors, float64_scalar, microbatch_losses, param_entry, scalar
 from trainerkit.config import RunConfig
 from trainerkit.data import TokenDataset
 from trainerkit.init import init_parameters
-from trainerkit import names
-from trainerkit.capture import RankCapture, dump_tensors, float64_scalar, microbatch_losses, param_entry, scalar
 
 from . import compat, faults, options
 from .coverage import OverlapCounter

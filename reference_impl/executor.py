@@ -16,16 +16,16 @@ guarantees the order; megatron-semantics §4 "Gradient accumulation").
 from __future__ import annotations
 
 import time
-
 from typing import Optional
 
 import torch
+
+from trainerkit.schedule import Action
 
 from . import faults
 from .model.chunk import Microbatch, StageChunk
 from .model.losses import LossOutput
 from .model.plan import ChunkPlan, run_combined
-from trainerkit.schedule import Action
 
 
 class BoundaryShapeError(RuntimeError):
@@ -79,7 +79,7 @@ class StepExecutor:
             f"microbatch {a.microbatch}, {where(a.stage)} -> {where(receiver)}: receiver expects "
             f"{list(a.shape)} (schedule), sender has {list(t.shape)}")
 
-    def run(self, actions: list[Action], microbatches: list[Microbatch]) -> list[LossOutput]:
+    def run(self, actions: list[Action], microbatches: list[Microbatch]) -> list[LossOutput]:  # noqa: C901 (one branch per action kind of the schedule)
         """Execute one step's `actions` in order; returns this rank's per-microbatch `LossOutput` s (loss stage).
         Raises `BoundaryShapeError` when a tensor to send differs from the schedule's shape.
 

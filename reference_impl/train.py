@@ -16,22 +16,22 @@ from safetensors.torch import save_file
 
 from trainerkit import names
 from trainerkit.capture import FORMAT, CaptureClock, TraceWriter, dump_tensors, scalar
-from trainerkit.fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
-
-from . import checkpoint, faults
 from trainerkit.config import RunConfig
 from trainerkit.data import TokenDataset
-from .executor import StepExecutor
+from trainerkit.fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
 from trainerkit.init import init_parameters
-from .probe import Probe
-from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
 from trainerkit.layout import PipelineLayout
+from trainerkit.schedule import build_schedule
+
+from . import checkpoint, faults
+from .executor import StepExecutor
 from .model.chunk import Microbatch, StageChunk
-from .model.losses import scale_by_tokens
 from .model.expert_parallel import ExpertParallel
+from .model.losses import scale_by_tokens
 from .model.moe import Router
 from .optimizer import AdamW
-from trainerkit.schedule import build_schedule
+from .probe import Probe
+from .reductions import EmbeddingSync, clip, grad_norm, reported_lm_loss
 
 
 class RankState:

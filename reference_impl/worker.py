@@ -21,6 +21,7 @@ import torch._inductor.config  # noqa: F401  use_deterministic_algorithms import
 import torch.distributed as dist
 
 from trainerkit.config import RunConfig
+
 from .train import train
 from .transport import setup
 

@@ -12,14 +12,14 @@ import json
 import textwrap
 
 import pytest
-
 from conftest import ROOT
+from planted import planted_tree, run_planted
+from test_report import make_result
+
 from harness import report
 from harness.agreement import computation_key, groups
 from harness.cases import load_case
 from harness.trace import StepTrace, Trace
-from planted import planted_tree, run_planted
-from test_report import make_result
 
 W = "output_layer.weight"
 META = {"key": W, "name": W, "replica": None, "shape": [2], "dtype": "float32", "family": "embedding/head",

@@ -8,8 +8,8 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-
 from conftest import ROOT, run_cli
+
 from harness import budget, cli
 from harness import verify as verify_mod
 from harness.budget import Deadline, parse_budget

@@ -11,6 +11,7 @@ import json
 import textwrap
 
 import pytest
+from planted import planted_tree, run_planted
 
 from harness.case_schema import ExpectedDivergence
 from harness.compare import Difference, compare
@@ -19,7 +20,6 @@ from harness.report.chart_evidence import family_tables
 from harness.results import VariantResult
 from harness.signature import SignaturePlace, default_signature
 from harness.trace import StepTrace, Trace
-from planted import planted_tree, run_planted
 from trainerkit import names
 
 W = "decoder.layers.1.mlp.router.weight"

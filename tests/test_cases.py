@@ -1,9 +1,9 @@
 """Case files: anchors, `extends`, overrides, compare_to, --only closure."""
 import pytest
+from conftest import ROOT
 
 from harness.cases import load_case
 from harness.errors import UsageError
-from conftest import ROOT
 
 
 def test_dsv3_matrix_plan():

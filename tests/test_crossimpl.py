@@ -253,9 +253,10 @@ def test_a_run_that_carries_two_stated_bugs_names_both_with_the_tensor_each_expl
 ])
 def test_a_stated_bugs_place_is_checked_before_anything_runs(tmp_path, entry, fragment):
     pytest.importorskip("megatron.core")
+    from test_cli_errors import GOOD
+
     from harness.cases import load_case
     from harness.errors import UsageError
-    from test_cli_errors import GOOD
     case = tmp_path / "c.yaml"
     case.write_text(GOOD % ("Ett|ttmL", 2)
                     + f"cross_implementation: {{variant: base, megatron_versions: [{{versions: '<0.17', {entry}}}]}}\n")

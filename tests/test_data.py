@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainerkit.config import DataConfig
 from trainerkit import text
+from trainerkit.config import DataConfig
 from trainerkit.data import DataError, TokenDataset, load_documents
 
 S, B, V = 32, 2, 256

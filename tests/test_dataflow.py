@@ -7,7 +7,6 @@ import json
 import textwrap
 
 import pytest
-
 from planted import planted_tree, run_planted
 
 CASE = textwrap.dedent("""\

@@ -19,16 +19,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_cli
+from test_cli_errors import _check_usage_error
+
 from harness.trace import TraceError, merge
+from reference_impl.model.expert_parallel import (
+    ExpertParallel,
+    PermuteRows,
+    expert_counts,
+    plan_dispatch,
+    sort_chunks,
+    unsort_chunks,
+)
+from reference_impl.model.moe import MoELayer
 from trainerkit import names
 from trainerkit.config import ModelConfig
 from trainerkit.init import init_parameters
-from reference_impl.model.expert_parallel import (ExpertParallel, PermuteRows, expert_counts, plan_dispatch, sort_chunks,
-                                                  unsort_chunks)
-from reference_impl.model.moe import MoELayer
-from test_cli_errors import _check_usage_error
 
 CFG = dict(hidden_size=32, num_moe_experts=8, moe_router_topk=2, moe_router_num_groups=4, moe_router_group_topk=2)
 
@@ -183,6 +189,7 @@ def _moe(cfg, dtype, ep=None):
 def _worker(rank, world, store_path, out_path):
     """Runs in a spawned process: the collectives, then the EP = 2 MoE layer against EP = 1."""
     import torch.distributed as dist
+
     from reference_impl.model.expert_parallel import AllToAll, GatherShards, TakeShard
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)

@@ -8,8 +8,8 @@ import textwrap
 import xml.etree.ElementTree as ET
 
 import pytest
-
 from conftest import run_cli
+
 from harness.compare import compare, inventory_diff, replica_status
 from harness.trace import StepTrace, Trace
 from reference_impl import faults
@@ -256,8 +256,8 @@ def test_replica_status_walks_init_grads_then_params():
 def test_judge_structural_rules():
     from harness.case_schema import ExpectedDivergence
     from harness.compare import Comparison
-    from harness.results import FirstDivergence
     from harness.judge import Expectation, judge
+    from harness.results import FirstDivergence
 
     def run(expect="bitwise", want=None, baseline=False, drift=None):
         return Expectation(expect, want, replica_drift=drift, is_baseline=baseline)
@@ -284,8 +284,8 @@ def test_judge_structural_rules():
 def test_judge_replica_drift_stated_passes_only_where_stated():
     from harness.case_schema import ExpectedDivergence, ReplicaDrift
     from harness.compare import Comparison
-    from harness.results import FirstDivergence
     from harness.judge import Expectation, judge
+    from harness.results import FirstDivergence
 
     broken = {"consistent": False, "first_broken_step": 1, "replica": f"{E}@mtp", "replicas": [f"{E}@mtp"],
               "detail": "x"}
@@ -314,8 +314,8 @@ def test_judge_replica_drift_stated_passes_only_where_stated():
 def test_judge_may_diverge_allows_equality_or_the_named_first_divergence():
     from harness.case_schema import ExpectedDivergence
     from harness.compare import Comparison
-    from harness.results import FirstDivergence
     from harness.judge import Expectation, judge
+    from harness.results import FirstDivergence
 
     def run(expect, want):
         return Expectation(expect, want, compare_to="ref")

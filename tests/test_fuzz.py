@@ -4,7 +4,6 @@ import json
 
 import pytest
 import yaml
-
 from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow

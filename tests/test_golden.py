@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+from planted import planted_tree, run_planted
+
 from harness import golden
 from harness.errors import UsageError
 from harness.trace import StepTrace, Trace
-from planted import planted_tree, run_planted
 
 GOLDENS = ROOT / "goldens" / "smoke"
 ONLY = ("--only", "pp2-mtp-with-loss", "--only", "pp4-mtp-standalone")
@@ -99,6 +99,7 @@ def _check_here(monkeypatch, directory, traces, family=OTHER):
     """`golden.apply` as `verify --golden` calls it, on a machine whose `harness.arithmetic.cpu_family` reports
     `family` (the environment it passes on is `harness.arithmetic.environment`'s, as in `harness.verify`)."""
     from types import SimpleNamespace
+
     from harness import arithmetic
     monkeypatch.setattr(arithmetic, "cpu_family", lambda: family)
     env = arithmetic.environment()

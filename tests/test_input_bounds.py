@@ -12,6 +12,7 @@ import time
 import warnings
 
 import pytest
+from conftest import ROOT
 from hypothesis import given, settings
 
 from harness.cases import load_case
@@ -20,7 +21,6 @@ from harness.errors import UsageError
 from harness.strategies import layouts, stage_grids
 from trainerkit.config import parse_moe_layer_freq
 from trainerkit.layout import LayoutError, PipelineLayout
-from conftest import ROOT
 
 CASE = textwrap.dedent("""\
     name: t

@@ -7,7 +7,6 @@ run costs ~10 s of fresh interpreters on 2 cores."""
 import json
 
 import pytest
-
 from conftest import ROOT, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.torchrun]

@@ -16,9 +16,9 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import run_cli
 from test_cli_errors import _check_usage_error
+
 from trainerkit.config import DataConfig
 from trainerkit.data import TokenDataset
 

@@ -177,6 +177,7 @@ def _overlap_points_here() -> set:
     only (0.19 and main have RowParallelLinear.backward_dw); B1 on every line; O2 wherever this torch build has
     no NVTX (the CPU build; the CUDA build from the package index has it, on a CPU too)."""
     import torch
+
     from harness.trainers import megatron_version
     table = {"0.16": {"E1", "O1", "O3", "B1"}, "0.19": {"E1", "O1", "B1"}, "0.20": {"E1", "O1", "B1"}}
     line = ".".join((megatron_version() or "").split(".")[:2])

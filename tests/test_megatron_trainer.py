@@ -16,7 +16,6 @@ Four CLI runs (the case, its layouts on the reference trainer, the case under ea
 per module, and one subprocess for the compatibility layer: ~2 min on 2 cores.  Skipped without the
 `megatron` extra (megatron-core not importable).
 """
-import importlib.metadata
 import json
 import re
 import subprocess

@@ -27,9 +27,9 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
-from trainerkit.config import ModelConfig  # noqa: E402
 from reference_impl.model.attention import MLASelfAttention  # noqa: E402
 from reference_impl.model.common import apply_rope, rope_cos_sin  # noqa: E402
+from trainerkit.config import ModelConfig  # noqa: E402
 
 CP_UNUSED = object()   # apply_rotary_pos_emb's cp_group: unused on the unfused bshd path
 # How MLASelfAttention asks for its rope: up to megatron-core 0.16 the config's multi_latent_attention selects the
@@ -144,8 +144,8 @@ def megatron_world(cpu_megatron, monkeypatch):
     """A one-process gloo world with megatron's parallel state (TP=PP=CP=1), torn down afterwards."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    from megatron.core import parallel_state
     import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core import parallel_state
     monkeypatch.setattr(mla, "HAVE_TE", False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()

@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from trainerkit import names
-from trainerkit.config import ModelConfig, parse_moe_layer_freq
-from trainerkit.init import init_parameters
-from trainerkit.layout import PipelineLayout
 from reference_impl.model.chunk import Microbatch, StageChunk
 from reference_impl.model.common import LossAutoScaler, roll_left, rope_cos_sin
 from reference_impl.model.losses import lm_and_mtp_loss
 from reference_impl.model.moe import MoELayer, Router, seq_aux_loss
 from reference_impl.model.mtp import MTPBlock
+from trainerkit import names
+from trainerkit.config import ModelConfig, parse_moe_layer_freq
+from trainerkit.init import init_parameters
+from trainerkit.layout import PipelineLayout
 
 MOE_CFG = dict(hidden_size=16, num_moe_experts=8, moe_router_topk=2, moe_router_num_groups=4,
                moe_router_group_topk=2, moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=8,

@@ -8,9 +8,9 @@ import math
 import textwrap
 
 import pytest
+from planted import planted_tree, run_planted
 
 from harness.trace import StepTrace, Trace, first_nonfinite
-from planted import planted_tree, run_planted
 
 CASE = textwrap.dedent("""\
     name: nan

@@ -17,7 +17,6 @@ import textwrap
 from dataclasses import asdict
 
 import pytest
-
 from conftest import ROOT, run_cli
 from planted import planted_tree, run_planted
 

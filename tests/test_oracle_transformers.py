@@ -32,13 +32,12 @@ from torch.nn import functional as F
 
 pytest.importorskip("transformers", minversion="5.0", reason="transformers is not installed")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (  # noqa: E402
-    DeepseekV3DecoderLayer, DeepseekV3RMSNorm)
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm  # noqa: E402
 
+from reference_impl.model.chunk import Microbatch, StageChunk  # noqa: E402
 from trainerkit.config import ModelConfig  # noqa: E402
 from trainerkit.init import init_parameters  # noqa: E402
 from trainerkit.layout import PipelineLayout  # noqa: E402
-from reference_impl.model.chunk import Microbatch, StageChunk  # noqa: E402
 
 D = 2
 # Sizes distinct wherever a swap would still be shape-legal (q/kv LoRA ranks, nope/rope/v head dims); 4 experts per

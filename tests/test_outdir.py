@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
+
 from harness import report
 from harness import verify as verify_mod
 from harness.cases import load_case

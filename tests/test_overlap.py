@@ -6,14 +6,14 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import run_cli
-from trainerkit.config import ModelConfig
-from trainerkit.init import init_parameters
-from trainerkit.layout import PipelineLayout
+
 from reference_impl.model.chunk import Microbatch, StageChunk
 from reference_impl.model.linear import Linear, delayed_wgrad, run_wgrad
 from reference_impl.model.plan import ChunkPlan, run_combined
+from trainerkit.config import ModelConfig
+from trainerkit.init import init_parameters
+from trainerkit.layout import PipelineLayout
 from trainerkit.schedule import ScheduleError, build_schedule, compute_order, grid, simulate, timeline
 
 # --- schedule -------------------------------------------------------------------------------------------------

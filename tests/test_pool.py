@@ -66,6 +66,7 @@ def test_verify_side_by_side_gives_the_bits_of_one_by_one(tmp_path, cli):
     """The smoke case with its runs packed (default) and with --jobs 1: every run's trace bitwise equal (each run
     is its own processes: running two at once moves no bit), the verdicts alike."""
     import json
+
     from harness.compare import compare
     from harness.trace import Trace
     outs = {}

@@ -13,11 +13,11 @@ import subprocess
 import textwrap
 
 import pytest
-
 from conftest import run_cli
+from test_report import FAILING_RUN, make_dsv3_like
+
 from harness.report import write_report
 from harness.report.chrome_trace import MEASURED_PID
-from test_report import FAILING_RUN, make_dsv3_like
 
 pytestmark = pytest.mark.slow
 EVIL = "<img src=x onerror=alert(1)>"

@@ -3,8 +3,8 @@ microbatch, direction, both shapes) instead of ending as a gloo abort, a torchru
 stuck rank waits, and no forkserver, torchrun or rank process outlives a harness killed by any signal."""
 import ctypes
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from harness.runner import descendants
 
 pytestmark = pytest.mark.slow

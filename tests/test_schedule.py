@@ -3,8 +3,7 @@ independently), and the dry-run simulator's rejections."""
 import pytest
 
 from trainerkit.layout import PipelineLayout
-from trainerkit.schedule import (Action, ScheduleError, build_schedule, compute_order, schedule_table,
-                                     simulate)
+from trainerkit.schedule import Action, ScheduleError, build_schedule, compute_order, schedule_table, simulate
 
 
 def test_schedule_table_matches_megatron_example():

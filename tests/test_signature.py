@@ -8,12 +8,12 @@ import json
 import textwrap
 
 import pytest
+from planted import planted_tree, run_planted
 
 from harness.case_schema import ExpectedDivergence
 from harness.compare import Comparison, Difference
 from harness.results import FirstDivergence
 from harness.signature import SignaturePlace, default_signature, lines, matches, outside
-from planted import planted_tree, run_planted
 
 EMB = "embedding.word_embeddings.weight"
 CASE = textwrap.dedent("""\

@@ -16,8 +16,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from harness.strategies import (INVALID_RULES, invalid_layouts, layout_text, layouts, plain, spellings,
-                                stage_grids)
+from harness.strategies import INVALID_RULES, invalid_layouts, layout_text, layouts, plain, spellings, stage_grids
 from trainerkit.layout import LayoutError, PipelineLayout, parse_layout
 from trainerkit.schedule import check_sizes
 

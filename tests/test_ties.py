@@ -19,14 +19,14 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import ROOT, run_cli
+from planted import planted_tree, run_planted
 from pydantic import ValidationError
 
-from conftest import ROOT, run_cli
 from harness.trace import Trace
-from planted import planted_tree, run_planted
+from reference_impl.model.moe import Router, boundary_ties, group_limited_topk
 from trainerkit.config import ModelConfig
 from trainerkit.init import init_parameters
-from reference_impl.model.moe import Router, boundary_ties, group_limited_topk
 
 TIES = ROOT / "cases" / "ties.yaml"
 MTP_ROUTER = "mtp.layers.0.transformer_layer.mlp.router"
@@ -115,8 +115,8 @@ def test_router_init_std_is_bounded():
 
 
 def test_router_init_std_changes_only_router_weights():
-    from trainerkit.layout import PipelineLayout
     from reference_impl.model.chunk import StageChunk
+    from trainerkit.layout import PipelineLayout
 
     def init(cfg):
         chunk = StageChunk(cfg, PipelineLayout.from_string("Et*4mL", 1, 4, 1), 0, 1)

@@ -1,7 +1,6 @@
 """ULP distance definition and tensor statistics (fp32, bf16, fp16, fp64; +-0, NaN, subnormals)."""
 import math
 
-import numpy as np
 import pytest
 import torch
 

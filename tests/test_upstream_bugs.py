@@ -20,9 +20,8 @@ import pytest
 
 megatron_core = pytest.importorskip("megatron.core")
 
-from packaging.version import Version  # noqa: E402
-
 from conftest import ROOT, run_cli  # noqa: E402
+from packaging.version import Version  # noqa: E402
 from planted import planted_megatron  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron,

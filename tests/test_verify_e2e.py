@@ -8,7 +8,6 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow
@@ -78,7 +77,7 @@ def test_smoke_artifacts(smoke):
     assert env["env"].get("ATEN_CPU_CAPABILITY") == os.environ.get("ATEN_CPU_CAPABILITY")
     assert "aten_cpu_capability" in (report / "index.html").read_text()
     assert env["cpu_family"] and env["python"]           # in the golden key / checked_on (harness.golden)
-    from trainerkit import text                          # the data the run trained on, by its bytes
+    from trainerkit import text  # the data the run trained on, by its bytes
     assert manifest["data"] == {"path": "(shipped) trainerkit/text", "sha256": text.SHA256}
     assert manifest["num_threads"] == 1 and manifest["seed"] == 1234
     assert manifest["layout"]["mtp_standalone"] is True

@@ -7,15 +7,15 @@ import dataclasses
 import math
 
 import pytest
-
 from conftest import run_cli
 from test_cli_errors import GOOD, _check_usage_error
+
 from harness.case_schema import VariantSpec
 from harness.crossimpl import CrossImplementationSpec, expected
-from harness.judge import judge_cross_implementation as judge_cross
 from harness.expectations import entry_for, resolve
-from harness.trace import NonFinite
+from harness.judge import judge_cross_implementation as judge_cross
 from harness.judge import judge_nonfinite
+from harness.trace import NonFinite
 from trainerkit.layout import LayoutError, PipelineLayout
 
 SPEC = VariantSpec.model_validate({

@@ -36,7 +36,7 @@ from typing import Iterable, Optional
 import torch
 
 from . import names
-from .fingerprint import PendingHex, float_bits_hex, fingerprint_hex_many_async
+from .fingerprint import PendingHex, fingerprint_hex_many_async, float_bits_hex
 
 FORMAT = "bitparity-rank-trace/2"
 

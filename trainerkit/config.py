@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -33,6 +33,12 @@ MAX_TRAIN_ITERS = 100_000
 MAX_MICROBATCHES = 4096
 MAX_TIMEOUT_S = 86_400.0     # a day: a larger watchdog is as good as none when a rank hangs
 MAX_GPUS = 1024
+#: Which trainer runs a config: ours (reference_impl) or megatron-core's own model, schedules and optimizer
+#: (megatron_trainer).  The one list of trainer names: the harness's registry (`harness.trainers.REGISTRY`) has
+#: one entry per name (checked when it is imported).
+TrainerName = Literal["reference", "megatron-core"]
+TRAINERS: tuple = get_args(TrainerName)
+DEFAULT_TRAINER = "reference"
 
 
 def parse_moe_layer_freq(value: Union[int, str, list[int]], num_layers: int) -> list[int]:
@@ -320,7 +326,7 @@ class RunConfig(_Strict):
     resume_from: Optional[str] = None            # checkpoint directory: continue after its step
     # which trainer runs it: ours (reference_impl) or megatron-core's own model, schedules and optimizer
     # (megatron_trainer); both write the same trace (TRACE_FORMAT.md)
-    trainer: Literal["reference", "megatron-core"] = "reference"
+    trainer: TrainerName = DEFAULT_TRAINER
     inject: Optional[str] = None             # test-only planted fault (reference_impl.faults, megatron_trainer.faults)
     # megatron-core: the directory holding the ``megatron/`` package this run imports (a Megatron-LM checkout, or
     # the site-packages of an installed release): put first on the rank's sys.path before megatron is imported.

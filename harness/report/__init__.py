@@ -14,19 +14,45 @@ One module per output, the jinja2 templates beside them:
 from __future__ import annotations
 
 from .cards import parameter_count, read_run_trace
-from .chart_evidence import (HEATMAP_HIGH, HEATMAP_LOW, HEATMAP_MAX_WIDTH, HEATMAP_ZERO, ULP_BUCKETS,
-                             family_heatmap_svg, ulp_bound_words, ulp_bucket_label, ulp_histogram_svg)
+from .chart_evidence import (
+                             HEATMAP_HIGH,
+                             HEATMAP_LOW,
+                             HEATMAP_MAX_WIDTH,
+                             HEATMAP_ZERO,
+                             ULP_BUCKETS,
+                             family_heatmap_svg,
+                             ulp_bound_words,
+                             ulp_bucket_label,
+                             ulp_histogram_svg,
+)
 from .chart_loss import loss_curves_svg, loss_groups
-from .chart_timeline import (TIMELINE_BACKWARD, TIMELINE_FORWARD, TIMELINE_IDLE, TIMELINE_MAX_WIDTH,
-                             TIMELINE_MERGED, TIMELINE_OTHER, timeline_svg)
+from .chart_timeline import (
+                             TIMELINE_BACKWARD,
+                             TIMELINE_FORWARD,
+                             TIMELINE_IDLE,
+                             TIMELINE_MAX_WIDTH,
+                             TIMELINE_MERGED,
+                             TIMELINE_OTHER,
+                             timeline_svg,
+)
 from .chrome_trace import chrome_trace
 from .html import render_html, render_run_page
 from .junit import junit_xml
 from .markdown import cross_implementation_markdown, markdown_summary, md_cell
 from .matrix import verdict_matrix
 from .summary_json import summary_dict
-from .words import (clip_words, clipping_on, divergence_words, format_elapsed, format_fraction, inventory_lines,
-                    reference_of, replica_words, replicas_broken, run_to_run_words)
+from .words import (
+                             clip_words,
+                             clipping_on,
+                             divergence_words,
+                             format_elapsed,
+                             format_fraction,
+                             inventory_lines,
+                             reference_of,
+                             replica_words,
+                             replicas_broken,
+                             run_to_run_words,
+)
 from .writer import REPORT_FILES, write_report
 
 #: Older name of `md_cell` (tests and callers of the single-module report used it).

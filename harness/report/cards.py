@@ -19,11 +19,31 @@ from harness.results import FirstDivergence, VariantResult
 from .chart_evidence import family_heatmap_svg, family_tables, ulp_bound_words, ulp_histogram_svg
 from .chart_timeline import timeline_cells, timeline_svg
 from .chrome_trace import measured_events
-from .words import (canonical_words, clean_text, clip_words, detail_page, divergence_words, expectation_words,
-                    finite_or_none, format_fraction, golden_of, golden_words, int_or_none, inventory_lines, num,
-                    outcome_class, outcome_of, outside_count, outside_lines, reference_of, replica_keys, replica_words,
-                    run_dir_of, run_to_run_words, trace_file)
-
+from .words import (
+    canonical_words,
+    clean_text,
+    clip_words,
+    detail_page,
+    divergence_words,
+    expectation_words,
+    finite_or_none,
+    format_fraction,
+    golden_of,
+    golden_words,
+    int_or_none,
+    inventory_lines,
+    num,
+    outcome_class,
+    outcome_of,
+    outside_count,
+    outside_lines,
+    reference_of,
+    replica_keys,
+    replica_words,
+    run_dir_of,
+    run_to_run_words,
+    trace_file,
+)
 
 #: Replica keys listed in a card (the detail page lists them all).
 MAX_REPLICA_KEYS = 8

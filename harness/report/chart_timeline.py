@@ -13,7 +13,6 @@ from harness.results import VariantResult
 from .svg import FONT, tick_step
 from .words import attr, clean_text, finite_or_none, num
 
-
 #: (fill, text colour) per virtual chunk, cycling; forward in blues, backward in oranges.  Adjacent chunks
 #: alternate dark and light so neighbouring chunks stay distinguishable.
 TIMELINE_FORWARD = (("#0969da", "#ffffff"), ("#80ccff", "#1f2328"), ("#0550ae", "#ffffff"),

@@ -19,8 +19,20 @@ from .chart_evidence import family_tables
 from .chart_loss import group_rows, loss_curves_svg, loss_groups
 from .matrix import verdict_matrix
 from .summary_json import json_safe
-from .words import (OUTCOME_STYLE, agreement_splits, bug_words, cross_bug_words, card_anchors, clean_text, clip_words, divergence_words,
-                    format_elapsed, megatron_source_words, is_relative_link, run_dir_of)
+from .words import (
+    OUTCOME_STYLE,
+    agreement_splits,
+    bug_words,
+    card_anchors,
+    clean_text,
+    clip_words,
+    cross_bug_words,
+    divergence_words,
+    format_elapsed,
+    is_relative_link,
+    megatron_source_words,
+    run_dir_of,
+)
 
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
 TEMPLATE_NAME = "report.html.j2"

@@ -6,9 +6,22 @@ import xml.etree.ElementTree as ET
 
 from harness.results import CaseResult, VariantResult
 
-from .words import (canonical_words, clean_text, clip_words, divergence_words, expectation_words, finite_or_none,
-                    golden_of, golden_words, inventory_lines, outside_lines, ref_words, reference_of, replica_keys,
-                    replica_words)
+from .words import (
+    canonical_words,
+    clean_text,
+    clip_words,
+    divergence_words,
+    expectation_words,
+    finite_or_none,
+    golden_of,
+    golden_words,
+    inventory_lines,
+    outside_lines,
+    ref_words,
+    reference_of,
+    replica_keys,
+    replica_words,
+)
 
 
 def failure_text(v: VariantResult, baseline: str) -> str:

@@ -9,9 +9,22 @@ import re
 from typing import Any, Optional
 
 from harness.results import CaseResult
+from trainerkit.config import DEFAULT_TRAINER
 
-from .words import (agreement_splits, bug_words, canonical_words, clean_text, clip_words, cross_bug_words,
-                    divergence_words, format_elapsed, golden_of, golden_words, megatron_source_words, outside_lines)
+from .words import (
+    agreement_splits,
+    bug_words,
+    canonical_words,
+    clean_text,
+    clip_words,
+    cross_bug_words,
+    divergence_words,
+    format_elapsed,
+    golden_of,
+    golden_words,
+    megatron_source_words,
+    outside_lines,
+)
 
 #: Lines of differences outside the signature listed per failing variant (the rest in the report).
 MAX_OUTSIDE_LINES = 5
@@ -58,7 +71,7 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         + (f", {counts['fail']} fail" if counts["fail"] else "")
         + (f", {counts['error']} error" if counts["error"] else "")
         + f" · baseline {md_cell(result.baseline)}"          # not a code span: escapes show literally there
-        + "".join(f" · trainer {md_cell(t)}" for t in sorted({v.trainer for v in result.variants} - {"reference"}))
+        + "".join(f" · trainer {md_cell(t)}" for t in sorted({v.trainer for v in result.variants} - {DEFAULT_TRAINER}))
         + f" · {format_elapsed(result.elapsed_s)}",
     ]
     lines += agreement_markdown(getattr(result, "agreement", None), result.baseline)

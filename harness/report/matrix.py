@@ -12,8 +12,21 @@ from typing import Any
 
 from harness.results import CaseResult, VariantResult
 
-from .words import (OUTCOME_LEGEND, canonical_words, clean_text, clip_words, divergence_words, golden_of,
-                    golden_words, mtp_words, outcome_class, outcome_of, outcome_symbol, outside_count, reference_of)
+from .words import (
+    OUTCOME_LEGEND,
+    canonical_words,
+    clean_text,
+    clip_words,
+    divergence_words,
+    golden_of,
+    golden_words,
+    mtp_words,
+    outcome_class,
+    outcome_of,
+    outcome_symbol,
+    outside_count,
+    reference_of,
+)
 
 #: Options that have their own place in a column label (`VariantResult` fields), not an ``k=v`` line.
 _OWN_FIELDS = {"reductions", "clip_grad", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from harness.results import CaseResult, VariantResult
-
 from harness.ulp import scale_words
 
 from .words import clipping_on, finite_or_none, reference_of

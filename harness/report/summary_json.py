@@ -7,8 +7,19 @@ from typing import Any
 from harness.results import CaseResult, VariantResult
 
 from .chart_timeline import timeline_cells
-from .words import (bug_words, canonical_words, clean_text, detail_page, finite_or_none, golden_of, inventory_lines,
-                    outside_count, outside_lines, reference_of, trace_file)
+from .words import (
+    bug_words,
+    canonical_words,
+    clean_text,
+    detail_page,
+    finite_or_none,
+    golden_of,
+    inventory_lines,
+    outside_count,
+    outside_lines,
+    reference_of,
+    trace_file,
+)
 
 
 def json_safe(x: Any) -> Any:
@@ -91,7 +102,7 @@ def summary_dict(result: CaseResult) -> dict:
                                                    "ulp": int|None, "canonical": str|None},
                        "reason": str, "elapsed_s": float,
                        "compare_to": str, "reductions": "megatron"|"canonical",
-                       "trainer": "reference"|"megatron-core",
+                       "trainer": one of trainerkit.config.TRAINERS,
                        "clip_grad": float, "bubble_fraction": float|None,
                        "inventory": [str],
                        "replica_status": {} | {"consistent": bool, "first_broken_step": int|None,

@@ -8,8 +8,6 @@ from hypothesis.errors import InvalidArgument
 
 from .grids import _MAX_UNIT, _SYMBOLS, SizeArg, _check_count, plain, stage_grids
 
-
-
 # ------------------------------------------------------------------------------------------------ spellings
 
 def _repeats(s: str, i: int) -> list[tuple[int, int]]:

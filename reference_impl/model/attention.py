@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from trainerkit.config import ModelConfig
+
 from .common import RMSNorm, apply_rope
 from .linear import Linear
 

@@ -13,12 +13,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import faults
 from trainerkit.config import ModelConfig
 from trainerkit.layout import PipelineLayout
+
+from .. import faults
 from .common import RMSNorm, rope_cos_sin
 from .layer import TransformerLayer
-from .losses import LossOutput, lm_and_mtp_loss
+from .losses import lm_and_mtp_loss
 from .mtp import MTPBlock
 
 

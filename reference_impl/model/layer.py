@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from trainerkit.config import ModelConfig
+
 from .attention import MLASelfAttention
 from .common import RMSNorm, SwiGLUMLP, fanout
 from .moe import MoELayer
-
 
 # a layer's nodes in forward order (Megatron's TransformerLayerSchedulePlan); backward runs them reversed
 SLOTS = ("pre_dispatch", "dispatch", "mlp", "combine", "mtp_post")

@@ -14,9 +14,21 @@ import torch
 from torch import nn
 
 from trainerkit.config import ModelConfig
+
 from .common import LossAutoScaler, SwiGLUMLP, fanout
-from .expert_parallel import (ExpertParallel, PermuteRows, RepeatRows, all_to_all, expert_counts, gather_shards,
-                              id_mask, plan_dispatch, sort_chunks, take_shard, unsort_chunks)
+from .expert_parallel import (
+    ExpertParallel,
+    PermuteRows,
+    RepeatRows,
+    all_to_all,
+    expert_counts,
+    gather_shards,
+    id_mask,
+    plan_dispatch,
+    sort_chunks,
+    take_shard,
+    unsort_chunks,
+)
 
 
 def _sort_stable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from trainerkit.config import ModelConfig
+
 from .common import RMSNorm, fanout, roll_left
 from .layer import TransformerLayer
 from .linear import Linear
