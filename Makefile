@@ -44,7 +44,7 @@ PORTABILITY_TESTS    ?= tests/test_optimizer.py tests/test_reductions.py tests/t
 PORTABILITY_CASES    ?= cases/overlap-ep.yaml cases/megatron-dsv3.yaml cases/megatron-overlap.yaml \
                         cases/megatron-upstream-bugs.yaml
 
-# Goldens (harness.golden): the bits of cases/<c>.yaml for GOLDEN_ITERS steps in goldens/<c>, recorded and
+# Goldens (harness.judging.golden): the bits of cases/<c>.yaml for GOLDEN_ITERS steps in goldens/<c>, recorded and
 # checked under one arithmetic, so a change that moves every layout alike fails `make verify-golden` (CI), a
 # slow-onset one too.  ties: router top-k ties, where a tie-break change moves the MTP losses on every layout.
 GOLDEN_ENV   ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE

@@ -16,10 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness.arithmetic import cpu_model  # noqa: E402
-from harness.cases import load_case  # noqa: E402
-from harness.runner import run_ranks  # noqa: E402
-from harness.trace import merge  # noqa: E402
+from harness.judging.trace import merge  # noqa: E402
+from harness.planning.cases import load_case  # noqa: E402
+from harness.running.arithmetic import cpu_model  # noqa: E402
+from harness.running.runner import run_ranks  # noqa: E402
 
 LAYOUTS = [("Ett|ttmL", 2), ("Et|tt|tm|L", 4), ("Et|tt|t|mL", 2), ("E|t|t|t|t||m|L", 4), ("Etttt|m|L", 3),
            ("E|tt|tt|mL", 4)]

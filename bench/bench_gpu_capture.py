@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.runner import run_ranks  # noqa: E402
+from harness.running.runner import run_ranks  # noqa: E402
 from trainerkit.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
 
 MODEL_1B = ModelConfig(vocab_size=256, hidden_size=2048, num_layers=8, moe_layer_freq="[0]*1+[1]*7",

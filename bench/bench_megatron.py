@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from harness import runner  # noqa: E402
-from harness.trace import merge  # noqa: E402
+from harness.judging.trace import merge  # noqa: E402
+from harness.running import runner  # noqa: E402
 from trainerkit.config import RunConfig  # noqa: E402
 
 LAYOUT, PP = "Et|t|t|t|t|t|t|mL", 4

@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness.runner import run_ranks  # noqa: E402
-from harness.trace import merge  # noqa: E402
+from harness.judging.trace import merge  # noqa: E402
+from harness.running.runner import run_ranks  # noqa: E402
 from trainerkit.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
 
 MODEL = ModelConfig(num_layers=4, moe_layer_freq="[0]*1+[1]*3", hidden_size=32, mtp_num_layers=1)

@@ -20,9 +20,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness.cases import load_case  # noqa: E402
-from harness.runner import run_ranks  # noqa: E402
-from harness.trace import merge  # noqa: E402
+from harness.judging.trace import merge  # noqa: E402
+from harness.planning.cases import load_case  # noqa: E402
+from harness.running.runner import run_ranks  # noqa: E402
 
 
 def _run(cfg, run_dir: Path, launcher: str):

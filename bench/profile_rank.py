@@ -38,7 +38,7 @@ def main() -> int:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from harness.cases import load_case
+    from harness.planning.cases import load_case
     from reference_impl.train import train
     from reference_impl.transport import setup
     from reference_impl.worker import deterministic_torch

@@ -2,5 +2,5 @@
 import time
 
 # when this process began to be the harness, before its slow imports (torch, pydantic: ~3 s): `verify --budget`
-# counts from here on the command line (harness.budget)
+# counts from here on the command line (harness.planning.budget)
 STARTED = time.monotonic()

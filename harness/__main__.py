@@ -1,10 +1,10 @@
 """``python -m harness`` = the ``bitparity`` console script."""
 import sys
 
-from . import interrupt
+from .running import interrupt
 
 # before the slow imports (torch, pydantic): a Ctrl-C that arrives while they run is then recorded even where
-# Python drops its KeyboardInterrupt (harness.interrupt)
+# Python drops its KeyboardInterrupt (harness.running.interrupt)
 interrupt.install()
 
 try:

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import harness
 
-from . import bounds, interrupt, trainers
 from .errors import UsageError
-from .results import EXPECTS
+from .judging.results import EXPECTS
+from .planning import bounds, trainers
+from .running import interrupt
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,12 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)   # test-only planted faults
     g = v.add_mutually_exclusive_group()
     g.add_argument("--golden", metavar="DIR", help="also compare every run with its golden trace in DIR "
-                   "(harness.golden; e.g. goldens/smoke); any differing bit fails")
+                   "(harness.judging.golden; e.g. goldens/smoke); any differing bit fails")
     g.add_argument("--write-golden", metavar="DIR", help="record the runs as goldens in DIR (only if every "
                    "variant passes); refresh after an intended change with `make golden`")
     v.add_argument("--megatron-base", metavar="DIR", help="also run every megatron-core run on this megatron (a "
                    "Megatron-LM checkout, or 'installed') as <run>@base, compared bit for bit with the run on head "
-                   "(harness.sources: Megatron-LM PR #2136's 'main branch vs this MR')")
+                   "(harness.planning.sources: Megatron-LM PR #2136's 'main branch vs this MR')")
     v.add_argument("--megatron-head", metavar="DIR", help="the megatron the case's megatron-core runs import (a "
                    "Megatron-LM checkout, or 'installed'; default: the one this Python imports)")
     v.add_argument("--train-iters", type=int, metavar="N", help="override the case's training.train_iters "
@@ -154,10 +155,11 @@ def _schedule_explain(args) -> int:
 def _verify(args, argv, started=None) -> int:
     from trainerkit.config import MAX_TIMEOUT_S, MAX_TRAIN_ITERS
 
-    from . import golden, sources
-    from .arithmetic import cpu_family
-    from .budget import Deadline
-    from .cases import load_case
+    from .judging import golden
+    from .planning import sources
+    from .planning.budget import Deadline
+    from .planning.cases import load_case
+    from .running.arithmetic import cpu_family
     from .verify import verify
     if args.train_iters is not None and not 1 <= args.train_iters <= MAX_TRAIN_ITERS:
         raise UsageError(f"--train-iters must be between 1 and {MAX_TRAIN_ITERS}")
@@ -223,7 +225,7 @@ def _places(texts: list | None) -> list | None:
         return None
     from pydantic import ValidationError
 
-    from .case_schema import ExpectedDivergence
+    from .planning.case_schema import ExpectedDivergence
     known = list(ExpectedDivergence.model_fields)
     out = []
     for text in texts:
@@ -275,9 +277,9 @@ def _check_jobs(jobs) -> None:
 
 
 def _fuzz(args, argv) -> int:
-    from .budget import parse_budget
-    from .cases import load_case
     from .fuzz import check_out, fuzz, minimal_case_path, write_minimal_case
+    from .planning.budget import parse_budget
+    from .planning.cases import load_case
     from .verify import verify
     budget = parse_budget(args.budget)
     if args.seed is not None and not 0 <= args.seed < 2 ** 64:
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args, argv)
         if args.command in ("verify", "fuzz"):
             code = _verify(args, argv, started) if args.command == "verify" else _fuzz(args, argv)
-            interrupt.check()               # one Python swallowed on the way (harness.interrupt)
+            interrupt.check()               # one Python swallowed on the way (harness.running.interrupt)
             return code
         if args.command in ("layout", "schedule"):
             # a reader that stops early (| head) ends a filter quietly, as it ends `ls`

@@ -1,6 +1,6 @@
 """`bitparity compare DIR_A DIR_B`: two trace directories made anywhere (bitparity's trainers, Megatron-LM's own
 ``pretrain_gpt.py`` under `megatron_trainer.pretrain`, torchrun, Slurm, many nodes) compared like `verify`'s
-runs: the same merge (`harness.trace.merge`), comparison, first divergence, signature, replica and finiteness
+runs: the same merge (`harness.judging.trace.merge`), comparison, first divergence, signature, replica and finiteness
 checks, and the same report (HTML / JSON / JUnit / Markdown) with A as the reference run.
 
 A directory holds ``rank0.jsonl`` .. ``rank{W-1}.jsonl`` (W: the world size rank 0's header states; gathered from
@@ -21,15 +21,16 @@ from typing import Optional
 
 from trainerkit.config import DEFAULT_TRAINER
 
-from . import outdir, signature
-from .case_schema import ExpectedDivergence
-from .compare import compare, replica_status
 from .errors import UsageError
-from .judge import Evidence, Expectation, Verdict, comparison_record, decide
-from .localise import boundary_mismatches, localise
+from .judging import signature
+from .judging.compare import compare, replica_status
+from .judging.judge import Evidence, Expectation, Verdict, comparison_record, decide
+from .judging.localise import boundary_mismatches, localise
+from .judging.results import CaseResult, VariantResult
+from .judging.trace import RANK_FORMAT, Trace, TraceError, first_nonfinite, merge, overlap_coverage
+from .planning.case_schema import ExpectedDivergence
 from .report import write_report
-from .results import CaseResult, VariantResult
-from .trace import RANK_FORMAT, Trace, TraceError, first_nonfinite, merge, overlap_coverage
+from .running import outdir
 from .verify import series
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
@@ -145,7 +146,7 @@ def _layout(header: dict, trace: Trace) -> tuple[str, int, int, bool]:
 
 
 def _evidence(trace: Trace, header: dict, cmp, replicas: dict, nonfinite, where: Optional[dict]) -> Evidence:
-    """What `harness.judge.decide` judges of a captured run: its comparison, replicas, stage boundaries,
+    """What `harness.judging.judge.decide` judges of a captured run: its comparison, replicas, stage boundaries,
     finiteness and (megatron's MoE 1F1B overlap, when its header's settings ask for it) overlap coverage."""
     settings = header.get("settings") if isinstance(header.get("settings"), dict) else {}
     return Evidence(cmp=cmp, replicas=replicas, nonfinite=nonfinite, boundary=tuple(boundary_mismatches(trace)),
@@ -185,12 +186,12 @@ def run(dir_a: Path, dir_b: Path, out_root: Path, command: str, expect: str = "b
         want: Optional[Expectation] = None) -> CaseResult:
     """Compare trace directory `dir_b` with `dir_a` (the reference) and write the report to ``out_root/<name>``
     (default name: ``compare-<A's directory name>-<B's>``).  `expect` / `first_divergence`: what B is expected
-    to do against A, as a case variant states it (`harness.case_schema.VariantSpec`); `want`: a whole
-    `harness.judge.Expectation` instead (signature, replica_drift: a case's run judged outside `verify`).
+    to do against A, as a case variant states it (`harness.planning.case_schema.VariantSpec`); `want`: a whole
+    `harness.judging.judge.Expectation` instead (signature, replica_drift: a case's run judged outside `verify`).
 
     Raises:
         UsageError: the directories cannot be compared (one line, the first reason), or the report directory is
-            not bitparity's (`harness.outdir`)."""
+            not bitparity's (`harness.running.outdir`)."""
     start = time.monotonic()
     if Path(dir_a).exists() and Path(dir_b).exists() and Path(dir_a).resolve() == Path(dir_b).resolve():
         warn(f"bitparity: warning: A and B are the same directory ({dir_a}): it is compared with itself")

@@ -10,11 +10,11 @@ Throughput: the runs of a small case are bound by latency (rank start-up, rendez
 the cores, so fuzz runs `jobs` layouts at once (default: one per core; on 2 cores, `cases/smoke.yaml`: ~95-115
 layouts/min one at a time, ~135-150 two at a time, three no better; bench/results/fuzz_cpu.json).  Hypothesis stays
 sequential: each batch of `BATCH` examples is first drawn without running anything, its new layouts then run side
-by side (`harness.pool.run_packed`), and only a batch in which one differs is replayed under the same seed, every
+by side (`harness.running.pool.run_packed`), and only a batch in which one differs is replayed under the same seed, every
 layout answering from what was measured, so hypothesis meets the failure where it drew it and shrinks it (the
 shrinking runs one layout at a time).  The batches do not depend on `jobs`: one seed draws the same layouts, and
 finds the same minimal one, whatever `jobs` (the time budget aside).  Bitwise: every run is its own processes;
-running two at once moves no bit (`harness.pool`).
+running two at once moves no bit (`harness.running.pool`).
 """
 from __future__ import annotations
 
@@ -37,15 +37,16 @@ from trainerkit.config import ParallelConfig
 from trainerkit.layout import PipelineLayout
 from trainerkit.schedule import ScheduleError, check_sizes
 
-from . import bounds, outdir, pool, trainers
-from .cases import CasePlan
-from .compare import compare, replica_status
 from .errors import UsageError
-from .judge import Evidence, Expectation, decide
-from .localise import boundary_mismatches
-from .runner import preload, run_ranks
+from .judging.compare import compare, replica_status
+from .judging.judge import Evidence, Expectation, decide
+from .judging.localise import boundary_mismatches
+from .judging.trace import TraceError, first_nonfinite, merge
+from .planning import bounds, trainers
+from .planning.cases import CasePlan
+from .running import outdir, pool
+from .running.runner import preload, run_ranks
 from .strategies import layouts
-from .trace import TraceError, first_nonfinite, merge
 
 # examples hypothesis draws per batch: each batch ends in a wait for its slowest run, and its drawing costs
 # a few ms an example before anything runs; a constant, so that a seed means the same layouts on every machine
@@ -82,7 +83,7 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
     """Fuzz `plan`'s model for `budget_s` seconds or until `max_layouts` layouts ran, whichever comes first (see
     module docstring); `inject` plants a fault in every generated run (never the baseline).  A failure found
     is shrunk within half the budget again, whatever `max_layouts`.  `jobs`: layouts run at once (default: this
-    process's CPU cores, `harness.pool.cores`); `batch`: examples hypothesis draws at a time; `tried` counts
+    process's CPU cores, `harness.running.pool.cores`); `batch`: examples hypothesis draws at a time; `tried` counts
     distinct layouts run (a layout hypothesis draws again answers from the first run).
 
     With ``reductions: megatron`` and MTP, P=1 is not drawn: it accumulates the embedding's two uses per
@@ -147,7 +148,7 @@ def fuzz(plan: CasePlan, out_root: Path, budget_s: float, seed_value: Optional[i
                     trace = merge(run_dir, pp)
                 except TraceError as e:
                     error = f"trace error: {e}"
-            # the one judge (harness.judge.decide): a drawn layout must be bitwise equal to the baseline, keep
+            # the one judge (harness.judging.judge.decide): a drawn layout must be bitwise equal to the baseline, keep
             # its replicas, its stage boundaries and finiteness, as a case's `expect: bitwise` run must
             decided = decide(Expectation(compare_to=plan.runs[0].spec.name), Evidence(error=error) if trace is None
                              else Evidence(cmp=compare(baseline, trace), replicas=replica_status(trace),

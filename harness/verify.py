@@ -3,7 +3,7 @@
 Everything is written into ``<out>/.<case>.partial/`` and moved to ``<out>/<case>/`` only when complete,
 so an interrupted or failed harness never leaves a half-written report.  Next to each run's ``manifest.json``
 and ``trace.json``, ``comparison.json`` holds its verdict, first divergence, parameter-inventory differences
-and replica status (`harness.judge.comparison_record`).
+and replica status (`harness.judging.judge.comparison_record`).
 """
 from __future__ import annotations
 
@@ -20,20 +20,22 @@ from trainerkit.config import CheckpointConfig
 from trainerkit.data import text_sha256
 from trainerkit.schedule import build_schedule, serialise, timeline
 
-from . import agreement, crossimpl, golden, outdir, pool, signature, trainers
-from .arithmetic import environment
-from .budget import Deadline
-from .cases import CasePlan, PlannedRun
-from .compare import Comparison, compare, replica_status
-from .evidence import collect as collect_evidence
-from .judge import Evidence, Expectation, bugs_elsewhere, comparison_record, decide, judge_cross_implementation
-from .localise import boundary_mismatches, localise
+from .judging import agreement, crossimpl, golden, signature
+from .judging.compare import Comparison, compare, replica_status
+from .judging.judge import Evidence, Expectation, bugs_elsewhere, comparison_record, decide, judge_cross_implementation
+from .judging.localise import boundary_mismatches, localise
+from .judging.results import CaseResult, StepSeries, VariantResult
+from .judging.trace import Trace, TraceError, check_losses, first_nonfinite, merge, overlap_coverage
+from .planning import trainers
+from .planning.budget import Deadline
+from .planning.cases import CasePlan, PlannedRun
 from .report import write_report
 from .report.words import megatron_source_words
-from .results import CaseResult, StepSeries, VariantResult
-from .runner import RunOutcome, run_ranks
-from .runner import preload as runner_preload
-from .trace import Trace, TraceError, check_losses, first_nonfinite, merge, overlap_coverage
+from .running import outdir, pool
+from .running.arithmetic import environment
+from .running.evidence import collect as collect_evidence
+from .running.runner import RunOutcome, run_ranks
+from .running.runner import preload as runner_preload
 
 
 def _transport_facts(run_dir: Path) -> dict:
@@ -125,21 +127,21 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
            deadline: Optional[Deadline] = None) -> CaseResult:
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``).
 
-    deadline (`harness.budget`, ``--budget``): once it is spent no run, repeat, evidence run or cross-implementation
+    deadline (`harness.planning.budget`, ``--budget``): once it is spent no run, repeat, evidence run or cross-implementation
     check starts, and those in flight are stopped at it (their watchdog is capped); each run left undone is an
     ``error`` (``not run: ...`` / ``stopped: ...``), every finished run is compared and reported as usual.
 
-    jobs: how many runs may go at once (`harness.pool.run_packed`: packed by rank count into this process's CPU
+    jobs: how many runs may go at once (`harness.running.pool.run_packed`: packed by rank count into this process's CPU
     cores); None: as many as fit, 1: one after another.
 
-    ULP evidence (`harness.evidence`) is collected for every failing variant whose first divergence is a
+    ULP evidence (`harness.running.evidence`) is collected for every failing variant whose first divergence is a
     gradient or parameter, and with `evidence_all` also for variants that diverge as expected.  `goldens`:
-    compare every run with its golden trace, or record them (`harness.golden`).
+    compare every run with its golden trace, or record them (`harness.judging.golden`).
 
     Raises:
         UsageError: before anything runs or is written: --out is not a directory, ``out_root/<case>`` (or its
             partial directory) exists but was not written by bitparity, or another `bitparity verify` is
-            writing the same case there (`harness.outdir`).
+            writing the same case there (`harness.running.outdir`).
     """
     start = time.monotonic()
     # the partial directory is removed and the lock released on every exit, a crash included
@@ -225,7 +227,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             None if ref is not None else f"reference run {ref_name!r} did not run, nothing to compare with")
         cmp = compare(ref, trace) if error is None else None
         replicas = replica_status(trace) if trace is not None else {}
-        # a run on --megatron-base asks one thing: did base move a bit against head? (harness.judge.decide)
+        # a run on --megatron-base asks one thing: did base move a bit against head? (harness.judging.judge.decide)
         alike = run.twin_of is not None and cmp is not None and cmp.bitwise_equal
         nonfinite = first_nonfinite(trace) if trace is not None else None
         coverage = overlap_coverage(trace, run.config.parallel.overlap_moe_expert_parallel_comm) \
@@ -292,7 +294,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     for v in variants:
         (work / v.run_dir / "comparison.json").write_text(json.dumps(comparison_record(v), indent=1))
     # which runs agree with which (bit for bit, or where a passing run's expectation allows it to differ from
-    # its reference): a wrong baseline shows as the small group (harness.agreement)
+    # its reference): a wrong baseline shows as the small group (harness.judging.agreement)
     passed = {v.name: v.verdict == "pass" for v in variants}
     agreed = agreement.groups([(r.spec.name, traces[r.spec.name], agreement.computation_key(r.config),
                                 r.spec.compare_to or base_name, passed.get(r.spec.name, False))

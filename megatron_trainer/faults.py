@@ -14,7 +14,7 @@ computes, so the tests can prove that a check fails when the trainer is broken.
   embedding gradient, corrupting both.
 * ``mtp_loss_scale_doubled``: the MTP loss enters the objective with twice ``mtp_loss_scaling_factor`` (a wrong
   scale applied the same way on every layout: every layout comparison passes; only an independent
-  implementation, `harness.crossimpl`, sees the gradients move).
+  implementation, `harness.judging.crossimpl`, sees the gradients move).
 """
 from __future__ import annotations
 

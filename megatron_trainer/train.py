@@ -235,7 +235,7 @@ def header(cfg: RunConfig, device: torch.device, r: MegatronRank, setup_s: float
             "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
             "setup_s": setup_s,
             "settings": {"overlap_p2p_comm": r.config.overlap_p2p_comm, "batch_p2p_comm": r.config.batch_p2p_comm,
-                         # `bitparity compare` judges overlap coverage from the trace alone (harness.judge)
+                         # `bitparity compare` judges overlap coverage from the trace alone (harness.judging.judge)
                          "overlap_moe_expert_parallel_comm": cfg.parallel.overlap_moe_expert_parallel_comm,
                          "megatron_core": megatron.core.__version__,
                          "megatron_path": str(Path(megatron.core.__path__[0]).resolve().parent.parent),

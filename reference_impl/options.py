@@ -1,7 +1,7 @@
 """Which of megatron's options (`RunConfig.megatron`, Megatron-LM's names) the reference trainer implements.
 
 A case can set any of megatron's options; the reference trainer runs a config only when it computes what megatron
-computes with those options, so that the cross-implementation check (`harness.crossimpl`) compares like with
+computes with those options, so that the cross-implementation check (`harness.judging.crossimpl`) compares like with
 like.  Everything else is refused in one line naming the option (the cross-implementation check then says it
 cannot compare that run).
 """

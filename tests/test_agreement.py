@@ -1,4 +1,4 @@
-"""Which runs agree (harness.agreement) and where the report shows it.
+"""Which runs agree (harness.judging.agreement) and where the report shows it.
 
 Issue 23 item 6: a planted capture bug that only V>1 runs have made the V=2 baseline wrong, and the report blamed
 the correct V=1 variants (each variant is compared only with its reference run).  The partition of all runs
@@ -17,9 +17,9 @@ from planted import planted_tree, run_planted
 from test_report import make_result
 
 from harness import report
-from harness.agreement import computation_key, groups
-from harness.cases import load_case
-from harness.trace import StepTrace, Trace
+from harness.judging.agreement import computation_key, groups
+from harness.judging.trace import StepTrace, Trace
+from harness.planning.cases import load_case
 
 W = "output_layer.weight"
 META = {"key": W, "name": W, "replica": None, "shape": [2], "dtype": "float32", "family": "embedding/head",
@@ -260,7 +260,7 @@ def _agreement(tmp_path, edits) -> dict:
     proc = run_planted(tree, "verify", tmp_path / "oddone.yaml", "--out", tmp_path / "out")
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "out/oddone/summary.json").read_text())
-    assert summary["agreement"], "harness/verify.py does not fill CaseResult.agreement (harness.agreement.groups)"
+    assert summary["agreement"], "harness/verify.py does not fill CaseResult.agreement (harness.judging.agreement.groups)"
     return summary
 
 

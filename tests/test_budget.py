@@ -1,8 +1,8 @@
-"""`bitparity verify --budget` (harness.budget): a case stopped by its time budget still ends with a report.
+"""`bitparity verify --budget` (harness.planning.budget): a case stopped by its time budget still ends with a report.
 
 Once the budget is spent no run starts (each is an error, "not run: ..."), a run in flight is stopped at it (its
 watchdog is capped by what is left; "stopped: ..."), and every finished run is compared and reported as usual.
-The clock is `harness.budget._clock`, moved by hand here: no test depends on how fast this machine runs.
+The clock is `harness.planning.budget._clock`, moved by hand here: no test depends on how fast this machine runs.
 """
 import json
 import xml.etree.ElementTree as ET
@@ -10,11 +10,12 @@ import xml.etree.ElementTree as ET
 import pytest
 from conftest import ROOT, run_cli
 
-from harness import budget, cli
+from harness import cli
 from harness import verify as verify_mod
-from harness.budget import Deadline, parse_budget
 from harness.errors import UsageError
-from harness.runner import RunOutcome
+from harness.planning import budget
+from harness.planning.budget import Deadline, parse_budget
+from harness.running.runner import RunOutcome
 
 SMOKE = str(ROOT / "cases" / "smoke.yaml")        # timeout_s 180; baseline pp2-mtp-with-loss
 

@@ -1,7 +1,7 @@
 """The routers' expert bias is a buffer, and every comparison reports it as one (kind ``buffer``).
 
 It is traced apart from the parameters (``buffers`` in TRACE_FORMAT.md: no gradient, no optimizer state, not in
-the inventory), but `harness.compare` reported a difference there as kind ``param``: the report said "param"
+the inventory), but `harness.judging.compare` reported a difference there as kind ``param``: the report said "param"
 for a tensor that is none, a case had to expect ``{kind: param, name: ...expert_bias}``, and a failing run whose
 first difference was the bias re-ran both runs for ULP evidence that cannot exist (buffers are not dumped).
 The unit tests build traces by hand; the end-to-end test plants a bias-update bug in a copy of the reference
@@ -13,13 +13,13 @@ import textwrap
 import pytest
 from planted import planted_tree, run_planted
 
-from harness.case_schema import ExpectedDivergence
-from harness.compare import Difference, compare
+from harness.judging.compare import Difference, compare
+from harness.judging.results import VariantResult
+from harness.judging.signature import SignaturePlace, default_signature
+from harness.judging.trace import StepTrace, Trace
+from harness.planning.case_schema import ExpectedDivergence
 from harness.report import family_heatmap_svg
 from harness.report.chart_evidence import family_tables
-from harness.results import VariantResult
-from harness.signature import SignaturePlace, default_signature
-from harness.trace import StepTrace, Trace
 from trainerkit import names
 
 W = "decoder.layers.1.mlp.router.weight"

@@ -88,8 +88,8 @@ def test_capture_clock_counts_only_what_runs_inside_capture(monkeypatch):
 def test_reference_steps_carry_capture_time(tmp_path):
     """The reference trainer's step records carry ``capture_s`` (host seconds in its capture calls, a part of
     ``time_s``), measured in the rank."""
-    from harness.cases import load_case
-    from harness.runner import run_ranks
+    from harness.planning.cases import load_case
+    from harness.running.runner import run_ranks
     cfg = load_case("cases/smoke.yaml", only=["pp1"]).runs[-1].config
     assert run_ranks(cfg, tmp_path / "run", 300).ok
     steps = [json.loads(x) for x in (tmp_path / "run" / "rank0.jsonl").read_text().splitlines()

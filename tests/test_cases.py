@@ -2,8 +2,8 @@
 import pytest
 from conftest import ROOT
 
-from harness.cases import load_case
 from harness.errors import UsageError
+from harness.planning.cases import load_case
 
 
 def test_dsv3_matrix_plan():

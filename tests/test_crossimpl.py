@@ -1,4 +1,4 @@
-"""Cross-implementation comparison (harness/crossimpl.py): the reference trainer and megatron-core from identical
+"""Cross-implementation comparison (harness/judging/crossimpl.py): the reference trainer and megatron-core from identical
 weights and data agree within a few ULPs, and a bug that is the same on every layout (so every layout
 comparison passes) is caught there: named first in dataflow order (as layout comparisons name their first
 divergence), the farthest tensor beside it, each stated bug with the tensor it explains, an all-zero tensor on
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.crossimpl import CrossImplementationSpec, compare, expected, scaled_ulp
-from harness.judge import judge_cross_implementation as judge
-from harness.trace import StepTrace, Trace
+from harness.judging.crossimpl import CrossImplementationSpec, compare, expected, scaled_ulp
+from harness.judging.judge import judge_cross_implementation as judge
+from harness.judging.trace import StepTrace, Trace
 from trainerkit import names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,9 +153,9 @@ def test_cross_implementation_step_other_than_0_is_refused(tmp_path):
 def test_a_failed_cross_implementation_run_still_writes_the_report(tmp_path):
     """The cross-implementation pair errors (here: the other trainer's run cannot start); the variants' report is
     written all the same, with the check as an error: in summary.json, junit.xml and the HTML; exit code 1."""
-    from harness.crossimpl import CrossImplementationSpec
+    from harness.judging.crossimpl import CrossImplementationSpec
+    from harness.judging.results import CaseResult
     from harness.report import junit_xml, render_html, summary_dict
-    from harness.results import CaseResult
 
     rec = {"trainers": ["megatron-core", "reference"], "variant": "pp2", "step": 0, "max_ulp": 16,
            "params_dtype": "float32", "device": "cpu", "verdict": "error", "reason": "reference run failed: boom"}
@@ -255,8 +255,8 @@ def test_a_stated_bugs_place_is_checked_before_anything_runs(tmp_path, entry, fr
     pytest.importorskip("megatron.core")
     from test_cli_errors import GOOD
 
-    from harness.cases import load_case
     from harness.errors import UsageError
+    from harness.planning.cases import load_case
     case = tmp_path / "c.yaml"
     case.write_text(GOOD % ("Ett|ttmL", 2)
                     + f"cross_implementation: {{variant: base, megatron_versions: [{{versions: '<0.17', {entry}}}]}}\n")
@@ -265,8 +265,8 @@ def test_a_stated_bugs_place_is_checked_before_anything_runs(tmp_path, entry, fr
 
 
 def test_a_layout_without_mtp_is_labelled_no_mtp():
+    from harness.judging.results import CaseResult, VariantResult
     from harness.report.matrix import verdict_matrix
-    from harness.results import CaseResult, VariantResult
 
     def run(name, layout, depth, standalone=False):
         return VariantResult(name=name, layout=layout, pp=2, vpp=1, mtp_standalone=standalone, expect="bitwise",

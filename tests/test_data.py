@@ -326,7 +326,7 @@ def test_negative_and_empty_and_extension_paths(tmp_path):
 
 def test_a_variants_relative_data_path_is_relative_to_the_case_file(tmp_path, monkeypatch):
     """`options.data.path` resolves like `training.data.path`: against the case file, not the working directory."""
-    from harness.cases import load_case
+    from harness.planning.cases import load_case
     (tmp_path / "cases").mkdir()
     (tmp_path / "cases" / "mytext.txt").write_bytes(b"The quick brown fox jumps over the lazy dog. " * 20)
     case = tmp_path / "cases" / "c.yaml"

@@ -1,4 +1,4 @@
-"""Localisation in dataflow order (harness.compare): the first divergence is the first tensor *computed*
+"""Localisation in dataflow order (harness.judging.compare): the first divergence is the first tensor *computed*
 differently, gradients in backward order, with the canonical-order view kept as a second line.
 
 Both planted bugs are real code changes (tests/planted.py) of the kind measured in issue #14, and both are

@@ -57,8 +57,8 @@ def test_loss_divergence_carries_ulps(runs):
 def test_diverging_keys_of_a_resumed_run_go_by_step_number():
     """A resumed run's trace starts after its resume point: evidence must look steps up by number (it used to
     index the list and crash with IndexError on the last step)."""
-    from harness.evidence import diverging_keys
-    from harness.trace import StepTrace, Trace
+    from harness.judging.trace import StepTrace, Trace
+    from harness.running.evidence import diverging_keys
     meta = {"key": "w", "name": "w", "replica": None, "shape": [2], "dtype": "float32", "family": "x",
             "weight_decay": False, "order": [0, 0, 0], "rank": 0}
 

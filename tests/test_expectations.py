@@ -5,8 +5,8 @@ import textwrap
 
 import pytest
 
-from harness.cases import load_case
 from harness.errors import UsageError
+from harness.planning.cases import load_case
 
 CASE = textwrap.dedent("""\
     name: t
@@ -62,7 +62,7 @@ def test_places_a_run_can_produce_are_accepted(tmp_path, expect):
     ("replica_drift: []", "replica_drift is an empty list"),
     ("replica_drift: [{name: x@mtp}, {name: embedding.word_embeddings.weight}]", "replica_drift[0].name 'x@mtp'"),
     ("replica_drift: {name: embedding.word_embeddings.weight@mtp, when: 1}", "replica_drift"),
-    # the expert bias is a buffer: it differs as kind buffer (harness.compare), never as a param or a grad
+    # the expert bias is a buffer: it differs as kind buffer (harness.judging.compare), never as a param or a grad
     ("expect: diverge, first_divergence: {kind: param, name: decoder.layers.3.mlp.router.expert_bias}",
      "is a buffer (the router's expert bias: no gradient, not a parameter), not a param: write kind: buffer"),
     ("expect: may_diverge, first_divergence: {kind: grad, name: decoder.layers.1.mlp.router.expert_bias}",

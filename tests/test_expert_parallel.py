@@ -22,7 +22,7 @@ import torch
 from conftest import run_cli
 from test_cli_errors import _check_usage_error
 
-from harness.trace import TraceError, merge
+from harness.judging.trace import TraceError, merge
 from reference_impl.model.expert_parallel import (
     ExpertParallel,
     PermuteRows,

@@ -10,8 +10,8 @@ import xml.etree.ElementTree as ET
 import pytest
 from conftest import run_cli
 
-from harness.compare import compare, inventory_diff, replica_status
-from harness.trace import StepTrace, Trace
+from harness.judging.compare import compare, inventory_diff, replica_status
+from harness.judging.trace import StepTrace, Trace
 from reference_impl import faults
 
 STANDALONE = 'pipeline_model_parallel_layout: "Et|tt|tm|L", pipeline_model_parallel_size: 4'  # t3 m0 on pp2, L on pp3
@@ -254,10 +254,10 @@ def test_replica_status_walks_init_grads_then_params():
 
 @pytest.mark.arithmetic_free
 def test_judge_structural_rules():
-    from harness.case_schema import ExpectedDivergence
-    from harness.compare import Comparison
-    from harness.judge import Expectation, judge
-    from harness.results import FirstDivergence
+    from harness.judging.compare import Comparison
+    from harness.judging.judge import Expectation, judge
+    from harness.judging.results import FirstDivergence
+    from harness.planning.case_schema import ExpectedDivergence
 
     def run(expect="bitwise", want=None, baseline=False, drift=None):
         return Expectation(expect, want, replica_drift=drift, is_baseline=baseline)
@@ -282,10 +282,10 @@ def test_judge_structural_rules():
 
 @pytest.mark.arithmetic_free
 def test_judge_replica_drift_stated_passes_only_where_stated():
-    from harness.case_schema import ExpectedDivergence, ReplicaDrift
-    from harness.compare import Comparison
-    from harness.judge import Expectation, judge
-    from harness.results import FirstDivergence
+    from harness.judging.compare import Comparison
+    from harness.judging.judge import Expectation, judge
+    from harness.judging.results import FirstDivergence
+    from harness.planning.case_schema import ExpectedDivergence, ReplicaDrift
 
     broken = {"consistent": False, "first_broken_step": 1, "replica": f"{E}@mtp", "replicas": [f"{E}@mtp"],
               "detail": "x"}
@@ -312,10 +312,10 @@ def test_judge_replica_drift_stated_passes_only_where_stated():
 
 
 def test_judge_may_diverge_allows_equality_or_the_named_first_divergence():
-    from harness.case_schema import ExpectedDivergence
-    from harness.compare import Comparison
-    from harness.judge import Expectation, judge
-    from harness.results import FirstDivergence
+    from harness.judging.compare import Comparison
+    from harness.judging.judge import Expectation, judge
+    from harness.judging.results import FirstDivergence
+    from harness.planning.case_schema import ExpectedDivergence
 
     def run(expect, want):
         return Expectation(expect, want, compare_to="ref")

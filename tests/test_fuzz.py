@@ -39,8 +39,8 @@ def test_planted_layout_dependent_fault_is_found_and_shrunk(tmp_path, jobs):
 
 def test_a_seed_draws_the_same_layouts_whatever_jobs(tmp_path):
     """The batches hypothesis draws do not depend on --jobs: one seed, one set of layouts, on any machine."""
-    from harness.cases import load_case
     from harness.fuzz import fuzz
+    from harness.planning.cases import load_case
     plan = load_case(ROOT / "cases" / "smoke.yaml")
     grids = [fuzz(plan, tmp_path / str(jobs), 600, 11, max_layouts=12, jobs=jobs, progress=lambda _: None).grids
              for jobs in (1, 2)]
@@ -84,8 +84,8 @@ def test_random_layouts_canonical_with_clipping(tmp_path):
 
 def test_the_minimal_case_keeps_the_whole_computation(tmp_path):
     """The written case reproduces: the case's megatron options and its data (masks, padding) go with it."""
-    from harness.cases import load_case
     from harness.fuzz import write_minimal_case
+    from harness.planning.cases import load_case
     case = tmp_path / "c.yaml"
     case.write_text(
         "name: c\nmodel: {num_layers: 4, moe_layer_freq: '[0]*1+[1]*3'}\n"

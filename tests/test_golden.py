@@ -1,4 +1,4 @@
-"""Goldens (harness.golden): a change that moves every layout alike passes the layout comparison and fails
+"""Goldens (harness.judging.golden): a change that moves every layout alike passes the layout comparison and fails
 the golden check, naming the first tensor computed differently; a golden from another environment is
 reported as such before any bit is compared.
 
@@ -11,9 +11,9 @@ import pytest
 from conftest import ROOT
 from planted import planted_tree, run_planted
 
-from harness import golden
 from harness.errors import UsageError
-from harness.trace import StepTrace, Trace
+from harness.judging import golden
+from harness.judging.trace import StepTrace, Trace
 
 GOLDENS = ROOT / "goldens" / "smoke"
 ONLY = ("--only", "pp2-mtp-with-loss", "--only", "pp4-mtp-standalone")
@@ -96,11 +96,11 @@ OTHER = "HygonGenuine family 24"          # a family neither shipped golden was 
 
 
 def _check_here(monkeypatch, directory, traces, family=OTHER):
-    """`golden.apply` as `verify --golden` calls it, on a machine whose `harness.arithmetic.cpu_family` reports
-    `family` (the environment it passes on is `harness.arithmetic.environment`'s, as in `harness.verify`)."""
+    """`golden.apply` as `verify --golden` calls it, on a machine whose `harness.running.arithmetic.cpu_family` reports
+    `family` (the environment it passes on is `harness.running.arithmetic.environment`'s, as in `harness.verify`)."""
     from types import SimpleNamespace
 
-    from harness import arithmetic
+    from harness.running import arithmetic
     monkeypatch.setattr(arithmetic, "cpu_family", lambda: family)
     env = arithmetic.environment()
     assert env["cpu_family"] == family
@@ -113,7 +113,7 @@ def _check_here(monkeypatch, directory, traces, family=OTHER):
 
 def _exit_ok(case) -> bool:
     """Whether a case with this golden record (and no other finding) exits 0 (`CaseResult.all_pass`)."""
-    from harness.results import CaseResult
+    from harness.judging.results import CaseResult
     return CaseResult(case="c", case_path="c.yaml", baseline="a", variants=[], elapsed_s=0.0, environment={},
                       command="", golden=case).all_pass
 
@@ -326,7 +326,7 @@ def test_clean_code_matches_the_goldens(tmp_path, golden_env):
     failure (`golden.check`); with fewer listed, one on an unlisted family would be `unchecked` (exit 0)."""
     proc, runs = _verify(planted_tree(tmp_path / "tree", {}), tmp_path / "out")
     assert proc.returncode == 0, proc.stdout[-2000:]
-    from harness.arithmetic import cpu_family
+    from harness.running.arithmetic import cpu_family
     checked = json.loads((GOLDENS / "golden.json").read_text())["checked_on"]
     judged = cpu_family() in checked or len(checked) >= golden.PORTABLE_FAMILIES
     allowed = {"equal"} if judged else {"equal", "unchecked"}
@@ -334,8 +334,8 @@ def test_clean_code_matches_the_goldens(tmp_path, golden_env):
 
 
 SIMULATED = "SimulatedVendor family 99"
-#: `harness.arithmetic.cpu_family` reporting a family no golden lists, in the planted copy (the CLI's process)
-UNLISTED_FAMILY = {"harness/arithmetic.py": [(
+#: `harness.running.arithmetic.cpu_family` reporting a family no golden lists, in the planted copy (the CLI's process)
+UNLISTED_FAMILY = {"harness/running/arithmetic.py": [(
     "    fields = _first_cpu()\n    if \"vendor_id\" not in fields:\n        return \"unknown\"\n",
     f"    return {SIMULATED!r}\n")]}
 AUX_LOSS_THIRD = {"reference_impl/train.py": [(

@@ -1,6 +1,6 @@
 """The floors of the repository hold (pyproject.toml [tool.importlinter]): harness -> the trainers ->
 trainerkit; the trainers never import each other; trainerkit imports no trainer and not the harness; the
-harness reaches a trainer only through its registry (harness.trainers).  Each contract is shown to fail on a
+harness reaches a trainer only through its registry (harness.planning.trainers).  Each contract is shown to fail on a
 planted import of the kind it forbids (a real edit of a copied tree, tests/planted.py)."""
 import shutil
 import subprocess
@@ -46,6 +46,6 @@ def test_a_planted_import_breaks_the_build(tmp_path, case):
     proc = _lint(planted_tree(tmp_path / "tree", {path: [(old, new)]}))
     assert proc.returncode == 1, proc.stdout[-3000:]
     name = {"floors": "harness -> (reference_impl | megatron_trainer) -> trainerkit",
-            "registry": "the harness reaches a trainer only through harness.trainers"}[contract]
+            "registry": "the harness reaches a trainer only through harness.planning.trainers"}[contract]
     importer = path[:-3].replace("/", ".")
     assert f"{name} BROKEN" in proc.stdout and f"{importer} -> reference_impl" in proc.stdout, proc.stdout[-3000:]

@@ -15,9 +15,9 @@ import pytest
 from conftest import ROOT
 from hypothesis import given, settings
 
-from harness.cases import load_case
 from harness.cli import main
 from harness.errors import UsageError
+from harness.planning.cases import load_case
 from harness.strategies import layouts, stage_grids
 from trainerkit.config import parse_moe_layer_freq
 from trainerkit.layout import LayoutError, PipelineLayout

@@ -40,8 +40,8 @@ def test_torchrun_matches_fork(tmp_path):
 def test_the_forkserver_preloads_megatron_only_for_one_source_on_cpu(monkeypatch):
     """One megatron for every run: imported once in the forkserver; two (verify --megatron-base) or CUDA: each
     rank imports its own (a preloaded megatron would be the wrong one, `megatron_trainer.source.activate`)."""
-    from harness import runner
-    from harness.cases import load_case
+    from harness.planning.cases import load_case
+    from harness.running import runner
     seen = []
     monkeypatch.setattr(runner, "_set_preload", seen.append)
     config = load_case(ROOT / "cases" / "smoke.yaml").runs[0].config

@@ -20,8 +20,8 @@ pytest.importorskip("megatron.core")
 from conftest import ROOT, run_cli  # noqa: E402
 from test_cli_errors import _check_usage_error  # noqa: E402
 
-from harness.cases import load_case  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
+from harness.planning.cases import load_case  # noqa: E402
 
 pytestmark = [pytest.mark.megatron]
 

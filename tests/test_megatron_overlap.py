@@ -178,7 +178,7 @@ def _overlap_points_here() -> set:
     no NVTX (the CPU build; the CUDA build from the package index has it, on a CPU too)."""
     import torch
 
-    from harness.trainers import megatron_version
+    from harness.planning.trainers import megatron_version
     table = {"0.16": {"E1", "O1", "O3", "B1"}, "0.19": {"E1", "O1", "B1"}, "0.20": {"E1", "O1", "B1"}}
     line = ".".join((megatron_version() or "").split(".")[:2])
     if line not in table:

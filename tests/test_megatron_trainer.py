@@ -208,7 +208,7 @@ def test_losses_and_buffers(megatron, name):
 
 
 def test_manifest_names_the_trainer(megatron, reference):
-    from harness.trainers import megatron_version
+    from harness.planning.trainers import megatron_version
     from megatron_trainer import compat
 
     _, _, report = megatron
@@ -332,7 +332,7 @@ def _not_needed_here() -> set:
     fails here, so a new megatron gets its expectations written down, never skipped):
     0.16: 9 (is_inference_column_parallel_linear does not exist yet); 0.19: 3 and 7 (HAVE_TE is false and
     te_general_gemm defined without TE) and 9; 0.20 (main at compat.CHECKED_COMMITS): 3 and 7."""
-    from harness.trainers import megatron_version
+    from harness.planning.trainers import megatron_version
     table = {"0.16": {"9"}, "0.19": {"3", "7", "9"}, "0.20": {"3", "7"}}
     line = ".".join((megatron_version() or "").split(".")[:2])
     if line not in table:

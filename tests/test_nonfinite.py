@@ -1,4 +1,4 @@
-"""A run whose training is not finite fails (harness.trace.first_nonfinite, harness.verify): a NaN has the same
+"""A run whose training is not finite fails (harness.judging.trace.first_nonfinite, harness.verify): a NaN has the same
 bits in every layout that produces it, so two broken runs used to compare bitwise equal and pass.
 
 The planted bug is a real code change (tests/planted.py): the LM loss divided by a token count taken from the
@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from planted import planted_tree, run_planted
 
-from harness.trace import StepTrace, Trace, first_nonfinite
+from harness.judging.trace import StepTrace, Trace, first_nonfinite
 
 CASE = textwrap.dedent("""\
     name: nan

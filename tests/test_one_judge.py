@@ -1,4 +1,4 @@
-"""One judge for every verdict (harness.judge.decide): `bitparity verify` and `bitparity compare` give the same
+"""One judge for every verdict (harness.judging.judge.decide): `bitparity verify` and `bitparity compare` give the same
 verdict, outcome and first divergence for the same pair of traces, and replicas are checked whatever a run
 expects.
 
@@ -27,10 +27,11 @@ def _judged_again(report, case_path, monkeypatch=None):
     """{run: (verify's (verdict, outcome, first divergence), compare's)} for every run of the report at
     `report` (a `bitparity verify` output directory of `case_path`), each run's rank traces compared with its
     reference run's by `harness.compare_dirs.run` under the run's resolved expectation."""
-    from harness import compare_dirs, trainers
-    from harness.cases import load_case
-    from harness.expectations import resolve
-    from harness.judge import Expectation
+    from harness import compare_dirs
+    from harness.judging.judge import Expectation
+    from harness.planning import trainers
+    from harness.planning.cases import load_case
+    from harness.planning.expectations import resolve
 
     summary = json.loads((report / "summary.json").read_text())
     plan = load_case(case_path)

@@ -15,10 +15,10 @@ from conftest import ROOT, run_cli
 
 from harness import report
 from harness import verify as verify_mod
-from harness.cases import load_case
 from harness.errors import UsageError
-from harness.results import CaseResult, FirstDivergence, VariantResult
-from harness.runner import RunOutcome
+from harness.judging.results import CaseResult, FirstDivergence, VariantResult
+from harness.planning.cases import load_case
+from harness.running.runner import RunOutcome
 
 MARKER = ".bitparity-report"
 HOSTILE = ["<img src=x onerror=alert(1)>", "a|b||c", "``code`` `x`", "x\n\n<script>alert(1)</script>",
@@ -145,8 +145,8 @@ def test_replacing_a_report_keeps_old_or_new_never_nothing(tmp_path, stub_runs, 
     out = tmp_path / "out"
     old = _old_report(out / "smoke")
     try:
-        from harness import outdir
-    except ImportError:                      # the code before harness.outdir: only "move-new-in" applies
+        from harness.running import outdir
+    except ImportError:                      # the code before harness.running.outdir: only "move-new-in" applies
         outdir = None
     if point == "move-new-in":               # whatever moves the new report in fails
         _fail_rename_of(monkeypatch, ".smoke.partial")
@@ -199,7 +199,7 @@ def test_interrupted_fallback_swap_is_recovered(tmp_path, stub_runs):
 
 
 def test_exchange_swaps_two_directories(tmp_path):
-    from harness import outdir
+    from harness.running import outdir
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     (a / "in_a").touch(), (b / "in_b").touch()

@@ -1,4 +1,4 @@
-"""`harness.pool.run_packed`: runs side by side within a core budget, results in order, the first failure raised after
+"""`harness.running.pool.run_packed`: runs side by side within a core budget, results in order, the first failure raised after
 the others end; and `bitparity verify --jobs` gives the same bits whether the runs go side by side or one by one."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness import pool, runner
+from harness.running import pool, runner
 
 
 def _tracking(budget_log: list, lock: threading.Lock, running: dict):
@@ -67,8 +67,8 @@ def test_verify_side_by_side_gives_the_bits_of_one_by_one(tmp_path, cli):
     is its own processes: running two at once moves no bit), the verdicts alike."""
     import json
 
-    from harness.compare import compare
-    from harness.trace import Trace
+    from harness.judging.compare import compare
+    from harness.judging.trace import Trace
     outs = {}
     for jobs in ("1", None):
         out = tmp_path / f"jobs{jobs}"

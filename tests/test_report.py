@@ -11,8 +11,8 @@ from typing import Optional
 import pytest
 
 from harness import report
+from harness.judging.results import FAMILIES, CaseResult, FirstDivergence, StepSeries, VariantResult
 from harness.report import writer
-from harness.results import FAMILIES, CaseResult, FirstDivergence, StepSeries, VariantResult
 
 MARKUP_NAME = "pp2 <b>x</b>"
 FAIL_DETAIL = "grad bits 0x3c23d70a (baseline) vs 0x3c23d70b (variant)"
@@ -133,7 +133,7 @@ def test_summary_dict_schema_and_values(result):
     assert {"case", "baseline", "elapsed_s", "variants"} <= set(s)
     assert set(s) <= {"case", "baseline", "elapsed_s", "variants", "all_pass", "cross_implementation", "golden",
                       "megatron_sources", "agreement", "environment"}
-    assert s["agreement"] == {}         # not computed (harness.agreement; tests/test_agreement.py)
+    assert s["agreement"] == {}         # not computed (harness.judging.agreement; tests/test_agreement.py)
     assert s["case"] == "dsv3_small"
     assert s["baseline"] == "baseline"
     assert s["elapsed_s"] == 66.75

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from harness.runner import descendants
+from harness.running.runner import descendants
 
 pytestmark = pytest.mark.slow
 
-# One run through harness.runner.run_ranks in a fresh interpreter: the ranks must see a planted defect
+# One run through harness.running.runner.run_ranks in a fresh interpreter: the ranks must see a planted defect
 # (sitecustomize on PYTHONPATH, imported by every process of the run), and a fresh process also gets its own
 # forkserver started under that environment.
 SCRIPT = textwrap.dedent("""\
     import json, sys
     from pathlib import Path
-    from harness.runner import run_ranks
+    from harness.running.runner import run_ranks
     from trainerkit.config import RunConfig
 
     def main():
@@ -149,7 +149,7 @@ def test_no_process_outlives_a_killed_harness(tmp_path, launcher, sig):
     # orphans are re-parented to this process (not init), so the test can reap whatever it started
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     # the signals as a terminal delivers them: a test run started in the background (nohup, `cmd &`) ignores SIGHUP
-    # and SIGINT, and the harness rightly keeps an ignored SIGINT ignored (harness.interrupt.install)
+    # and SIGINT, and the harness rightly keeps an ignored SIGINT ignored (harness.running.interrupt.install)
     harness = subprocess.Popen([sys.executable, "-m", "harness", "verify", str(case), "--out", str(tmp_path / "out"),
                                 "--launcher", launcher], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                preexec_fn=_default_signals)
@@ -231,8 +231,8 @@ def test_the_forkserver_is_born_with_sigint_blocked():
     init_import_site" and a traceback, seen once under load, 3 s into a run): `runner.preload` spawns it with
     SIGINT blocked, read here from the kernel's view of the process (/proc/PID/status SigBlk)."""
     code = textwrap.dedent("""
-        from harness.cases import load_case
-        from harness.runner import preload
+        from harness.planning.cases import load_case
+        from harness.running.runner import preload
         from multiprocessing import forkserver
         preload(r.config for r in load_case("cases/smoke.yaml").runs)
         pid = forkserver._forkserver._forkserver_pid
@@ -246,10 +246,10 @@ def test_the_forkserver_is_born_with_sigint_blocked():
 
 def test_an_interrupt_python_swallowed_still_stops_the_harness():
     """A KeyboardInterrupt raised inside a __del__ or weakref callback (importlib's module lock, on CI) is
-    printed as "Exception ignored" and dropped; the harness's waiting loops still stop (harness.interrupt)."""
+    printed as "Exception ignored" and dropped; the harness's waiting loops still stop (harness.running.interrupt)."""
     code = textwrap.dedent("""
         import os, signal
-        from harness import interrupt
+        from harness.running import interrupt
         interrupt.install()
 
         class Swallows:

@@ -1,4 +1,4 @@
-"""Divergence signatures (harness.signature): an expected divergence may hide no second bug.
+"""Divergence signatures (harness.judging.signature): an expected divergence may hide no second bug.
 
 The planted bug is a real code change (tests/planted.py): the MTP loss scale doubled only where one chunk
 holds the embedding and the loss (P=1).  P=1 is expected to differ in the embedding gradient (megatron
@@ -10,10 +10,10 @@ import textwrap
 import pytest
 from planted import planted_tree, run_planted
 
-from harness.case_schema import ExpectedDivergence
-from harness.compare import Comparison, Difference
-from harness.results import FirstDivergence
-from harness.signature import SignaturePlace, default_signature, lines, matches, outside
+from harness.judging.compare import Comparison, Difference
+from harness.judging.results import FirstDivergence
+from harness.judging.signature import SignaturePlace, default_signature, lines, matches, outside
+from harness.planning.case_schema import ExpectedDivergence
 
 EMB = "embedding.word_embeddings.weight"
 CASE = textwrap.dedent("""\
@@ -143,6 +143,6 @@ def test_the_issues_own_signature_is_accepted(tmp_path):
                       "embedding.word_embeddings.weight}, {step: 0, kind: param, name: embedding.word_embeddings.weight},"
                       " {from_step: 1}], first_divergence: {step: 0,")
     (tmp_path / "ok.yaml").write_text(ok)
-    from harness.cases import load_case
+    from harness.planning.cases import load_case
     plan = load_case(tmp_path / "ok.yaml")
     assert len(plan.runs[-1].spec.signature) == 3

@@ -1,4 +1,4 @@
-"""Two megatron sources in one case (`verify --megatron-base/--megatron-head`, harness.sources): Megatron-LM PR
+"""Two megatron sources in one case (`verify --megatron-base/--megatron-head`, harness.planning.sources): Megatron-LM PR
 #2136's first check, the same layouts on the merge request and its target branch, bit for bit.
 
 * two identical sources (the installed megatron-core and a copy of it): every run on base is bitwise equal to

@@ -23,7 +23,7 @@ from conftest import ROOT, run_cli
 from planted import planted_tree, run_planted
 from pydantic import ValidationError
 
-from harness.trace import Trace
+from harness.judging.trace import Trace
 from reference_impl.model.moe import Router, boundary_ties, group_limited_topk
 from trainerkit.config import ModelConfig
 from trainerkit.init import init_parameters
@@ -277,8 +277,8 @@ def test_tie_break_changed_on_every_layout_is_caught_by_the_ties_goldens(tmp_pat
                        "--out", tmp_path / "out", env={"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"})
     variants = _variants(tmp_path / "out", "ties")
     assert all(v["verdict"] == "pass" for v in variants.values()), variants      # the layouts agree ...
-    from harness import golden
-    from harness.arithmetic import cpu_family
+    from harness.judging import golden
+    from harness.running.arithmetic import cpu_family
     checked_on = json.loads((ROOT / "goldens" / "ties" / "golden.json").read_text())["checked_on"]
     checked = cpu_family() in checked_on or len(checked_on) >= golden.PORTABLE_FAMILIES
     for name, v in variants.items():                                               # ... the goldens do not

@@ -1,4 +1,4 @@
-"""The one registry of trainers (`harness.trainers.REGISTRY`): every name of the run description's vocabulary
+"""The one registry of trainers (`harness.planning.trainers.REGISTRY`): every name of the run description's vocabulary
 (`trainerkit.config.TRAINERS`) has one entry, the runner's workers and the cross-implementation partners derive
 from it, the two lists cannot drift apart (planted: a name without an entry, an entry without a name), and a new
 trainer is one name plus one entry (planted: a second name for the reference trainer's worker runs a case).
@@ -13,7 +13,9 @@ import pytest
 from conftest import ROOT
 from planted import planted_tree, run_planted
 
-from harness import crossimpl, runner, trainers
+from harness.judging import crossimpl
+from harness.planning import trainers
+from harness.running import runner
 from trainerkit.config import DEFAULT_TRAINER, TRAINERS, RunConfig
 
 
@@ -57,7 +59,7 @@ def test_admission_comes_from_the_entry():
 
 
 def _import_in(tree) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "import harness.trainers"], cwd=tree, capture_output=True,
+    return subprocess.run([sys.executable, "-c", "import harness.planning.trainers"], cwd=tree, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -65,7 +67,7 @@ def _import_in(tree) -> subprocess.CompletedProcess:
     ({"trainerkit/config.py": [('TrainerName = Literal["reference", "megatron-core"]',
                                 'TrainerName = Literal["reference", "megatron-core", "vllm"]')]},
      "names without an entry ['vllm'], entries without a name []"),
-    ({"harness/trainers.py": [('    Trainer("megatron-core", "megatron_trainer.worker", _megatron_problem, '
+    ({"harness/planning/trainers.py": [('    Trainer("megatron-core", "megatron_trainer.worker", _megatron_problem, '
                                '_megatron_faults, partner="reference",\n'
                                '            megatron=True, library_preload="megatron_trainer.preload"),\n', '')]},
      "names without an entry ['megatron-core'], entries without a name []"),
@@ -75,7 +77,7 @@ def test_planted_drift_between_the_lists_stops_the_import(tmp_path, edits, words
     done = _import_in(tree)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: harness.trainers: REGISTRY and trainerkit.config.TRAINERS differ") \
+    assert last.startswith("ImportError: harness.planning.trainers: REGISTRY and trainerkit.config.TRAINERS differ") \
         and words in last, last
 
 
@@ -85,7 +87,7 @@ def test_planted_new_trainer_is_one_name_and_one_entry(tmp_path):
     tree = planted_tree(tmp_path / "tree", {
         "trainerkit/config.py": [('TrainerName = Literal["reference", "megatron-core"]',
                                   'TrainerName = Literal["reference", "megatron-core", "reference-twin"]')],
-        "harness/trainers.py": [(
+        "harness/planning/trainers.py": [(
             '    Trainer("megatron-core", "megatron_trainer.worker",',
             '    Trainer("reference-twin", "reference_impl.worker", _reference_problem, _reference_faults,\n'
             '            partner="reference"),\n'

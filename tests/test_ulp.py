@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from harness.ulp import tensor_stats, ulp_distance
+from harness.judging.ulp import tensor_stats, ulp_distance
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

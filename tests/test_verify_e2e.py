@@ -76,7 +76,7 @@ def test_smoke_artifacts(smoke):
     assert env["cpu_model"] and env["aten_cpu_capability"] and env["blas"] and env["mkl_cbwr"]
     assert env["env"].get("ATEN_CPU_CAPABILITY") == os.environ.get("ATEN_CPU_CAPABILITY")
     assert "aten_cpu_capability" in (report / "index.html").read_text()
-    assert env["cpu_family"] and env["python"]           # in the golden key / checked_on (harness.golden)
+    assert env["cpu_family"] and env["python"]           # in the golden key / checked_on (harness.judging.golden)
     from trainerkit import text  # the data the run trained on, by its bytes
     assert manifest["data"] == {"path": "(shipped) trainerkit/text", "sha256": text.SHA256}
     assert manifest["num_threads"] == 1 and manifest["seed"] == 1234

@@ -1,6 +1,6 @@
-"""What a case expects per megatron-core version (`megatron_versions`, harness.expectations.resolve), a run
+"""What a case expects per megatron-core version (`megatron_versions`, harness.planning.expectations.resolve), a run
 expected to stop being finite (``expect: not_finite``), a cross-implementation comparison expected to disagree
-(harness.judge.judge_cross_implementation), and layouts only megatron's rules allow (``layout_rules: megatron``)."""
+(harness.judging.judge.judge_cross_implementation), and layouts only megatron's rules allow (``layout_rules: megatron``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +10,12 @@ import pytest
 from conftest import run_cli
 from test_cli_errors import GOOD, _check_usage_error
 
-from harness.case_schema import VariantSpec
-from harness.crossimpl import CrossImplementationSpec, expected
-from harness.expectations import entry_for, resolve
-from harness.judge import judge_cross_implementation as judge_cross
-from harness.judge import judge_nonfinite
-from harness.trace import NonFinite
+from harness.judging.crossimpl import CrossImplementationSpec, expected
+from harness.judging.judge import judge_cross_implementation as judge_cross
+from harness.judging.judge import judge_nonfinite
+from harness.judging.trace import NonFinite
+from harness.planning.case_schema import VariantSpec
+from harness.planning.expectations import entry_for, resolve
 from trainerkit.layout import LayoutError, PipelineLayout
 
 SPEC = VariantSpec.model_validate({

@@ -34,7 +34,7 @@ MAX_MICROBATCHES = 4096
 MAX_TIMEOUT_S = 86_400.0     # a day: a larger watchdog is as good as none when a rank hangs
 MAX_GPUS = 1024
 #: Which trainer runs a config: ours (reference_impl) or megatron-core's own model, schedules and optimizer
-#: (megatron_trainer).  The one list of trainer names: the harness's registry (`harness.trainers.REGISTRY`) has
+#: (megatron_trainer).  The one list of trainer names: the harness's registry (`harness.planning.trainers.REGISTRY`) has
 #: one entry per name (checked when it is imported).
 TrainerName = Literal["reference", "megatron-core"]
 TRAINERS: tuple = get_args(TrainerName)

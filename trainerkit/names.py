@@ -22,7 +22,7 @@ _LAYER_ID = re.compile(r"^(?:decoder|mtp)\.layers\.(\d+)\.")
 
 #: Leaves of the persistent state buffers the trainers trace (``buffers`` in TRACE_FORMAT.md): the routers'
 #: ``expert_bias`` (megatron's name, the reference's too).  Not parameters: no gradient, no optimizer state, not
-#: in the inventory; a difference there is a ``buffer`` difference (`harness.compare`), not a ``param`` one.
+#: in the inventory; a difference there is a ``buffer`` difference (`harness.judging.compare`), not a ``param`` one.
 BUFFER_LEAVES = ("expert_bias",)
 
 

@@ -1,5 +1,5 @@
 """The harness runner's forkserver preload: import the trainer modules named in ``$BITPARITY_FORKSERVER_PRELOAD``
-(comma-separated, set by `harness.runner`) before any rank is forked, leaving any that fails to import to the
+(comma-separated, set by `harness.running.runner`) before any rank is forked, leaving any that fails to import to the
 ranks.
 
 Why not hand the names to multiprocessing's ``set_forkserver_preload`` directly: the forkserver swallows only an

@@ -22,7 +22,7 @@ from typing import TextIO
 
 PARENT_AT_IMPORT = os.getppid()         # torchrun worker: the torchrun agent; forkserver: the harness
 IMPORTED_BY = os.getpid()               # forkserver ranks inherit this: the forkserver, i.e. their parent
-#: the modules the harness's forkserver preloads, comma-separated (set by `harness.runner`, read by
+#: the modules the harness's forkserver preloads, comma-separated (set by `harness.running.runner`, read by
 #: `trainerkit.preload`, whose import does the preloading)
 PRELOAD_ENV = "BITPARITY_FORKSERVER_PRELOAD"
 _PR_SET_PDEATHSIG = 1
@@ -49,7 +49,7 @@ def die_with_parent(parent: int) -> None:
 
 def imported_by_forkserver() -> bool:
     """True in multiprocessing's forkserver itself, which imports the worker modules as a preload
-    (`harness.runner`); False in a rank it forked (whose stack also holds the forkserver's ``main``, below
+    (`harness.running.runner`); False in a rank it forked (whose stack also holds the forkserver's ``main``, below
     ``_serve_one``), which imports a worker that was not preloaded (a CUDA megatron-core run)."""
     fs = sys.modules.get("multiprocessing.forkserver")
     serve = getattr(fs, "_serve_one", None)
@@ -126,7 +126,7 @@ def cannot_import(module: str, e: BaseException) -> str:
 
 def exit_cannot_import(module: str, e: BaseException) -> None:
     """In a rank whose log is open (`enter_rank`): print `e`'s traceback, then `cannot_import`'s line last (the
-    harness quotes a failed rank's last log line as the run's error, `harness.runner`), and exit with code 1."""
+    harness quotes a failed rank's last log line as the run's error, `harness.running.runner`), and exit with code 1."""
     import traceback
     traceback.print_exception(e)
     print(cannot_import(module, e), flush=True)

@@ -1,4 +1,4 @@
-"""Render a :class:`harness.results.CaseResult` as a report directory (`write_report`).
+"""Render a :class:`harness.judging.results.CaseResult` as a report directory (`write_report`).
 
 One module per output, the jinja2 templates beside them:
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from markupsafe import Markup
 
-from harness.results import FirstDivergence, VariantResult
+from harness.judging.results import FirstDivergence, VariantResult
 
 from .chart_evidence import family_heatmap_svg, family_tables, ulp_bound_words, ulp_histogram_svg
 from .chart_timeline import timeline_cells, timeline_svg
@@ -191,7 +191,7 @@ def heatmap(v: VariantResult, charts: bool = True) -> Optional[dict]:
 
 
 def overlap_words(cov: Any) -> Optional[dict]:
-    """The MoE 1F1B overlap's coverage (`harness.trace.overlap_coverage`) in words: merged forward+backward
+    """The MoE 1F1B overlap's coverage (`harness.judging.trace.overlap_coverage`) in words: merged forward+backward
     steps and delayed weight-gradient calls per rank at step 0, and the warning; None without the overlap."""
     if not isinstance(cov, dict) or not cov.get("merged"):
         return None if not isinstance(cov, dict) or not cov.get("warning") else \

@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from harness.results import FAMILIES, VariantResult
+from harness.judging.results import FAMILIES, VariantResult
 
 from .svg import FONT, tick_step
 from .words import attr, clean_text, finite_or_none, int_or_none, num
 
-#: Upper bounds (in ULPs) of the histogram buckets of `harness.ulp.tensor_stats`; None = above the last one.
+#: Upper bounds (in ULPs) of the histogram buckets of `harness.judging.ulp.tensor_stats`; None = above the last one.
 ULP_BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024, 2 ** 16, 2 ** 24, None)
 ULP_BAR = "#0969da"
 HEATMAP_ZERO = "#eaeef2"

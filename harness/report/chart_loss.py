@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from harness.results import CaseResult, VariantResult
+from harness.judging.results import CaseResult, VariantResult
 
 from .svg import CHAR_W, flow_lines, nice_ticks, svg_open, tick_words
 from .words import attr, clean_text, finite_or_none, num

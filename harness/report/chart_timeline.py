@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from harness.results import VariantResult
+from harness.judging.results import VariantResult
 
 from .svg import FONT, tick_step
 from .words import attr, clean_text, finite_or_none, num

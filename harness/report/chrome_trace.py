@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from harness.results import VariantResult
+from harness.judging.results import VariantResult
 
 from .chart_timeline import timeline_cells
 from .words import clean_text, finite_or_none, int_or_none

@@ -12,7 +12,7 @@ from typing import Optional
 import jinja2
 from markupsafe import Markup
 
-from harness.results import CaseResult
+from harness.judging.results import CaseResult
 
 from . import cards, sections
 from .chart_evidence import family_tables

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from harness.results import CaseResult, VariantResult
+from harness.judging.results import CaseResult, VariantResult
 
 from .words import (
     canonical_words,
@@ -121,7 +121,7 @@ def junit_xml(result: CaseResult) -> str:
         else:
             out = ET.SubElement(tc, "system-out")
             out.text = clean_text(v.reason or "pass")
-    if cross is not None:       # one more testcase: the cross-implementation check (harness.crossimpl)
+    if cross is not None:       # one more testcase: the cross-implementation check (harness.judging.crossimpl)
         tc = ET.SubElement(suite, "testcase", {"classname": f"bitparity.{case}", "name": "cross-implementation",
                                                "time": f"{sum((cross.get('elapsed_s') or {}).values()):.3f}"})
         reason = clean_text(cross.get("reason") or "")
@@ -131,7 +131,7 @@ def junit_xml(result: CaseResult) -> str:
             ET.SubElement(tc, "error", {"message": reason, "type": "RunError"}).text = reason
         else:
             ET.SubElement(tc, "system-out").text = reason
-    if golden is not None:      # one more testcase: every run against its golden (harness.golden)
+    if golden is not None:      # one more testcase: every run against its golden (harness.judging.golden)
         tc = ET.SubElement(suite, "testcase", {"classname": f"bitparity.{case}", "name": "golden", "time": "0.000"})
         detail = clean_text(golden.get("detail") or "")
         lines = [f"{clean_text(v.name)}: {clean_text(golden_words(golden_of(v)))}" for v in result.variants

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from harness.results import CaseResult
+from harness.judging.results import CaseResult
 from trainerkit.config import DEFAULT_TRAINER
 
 from .words import (

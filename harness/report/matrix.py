@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from harness.results import CaseResult, VariantResult
+from harness.judging.results import CaseResult, VariantResult
 
 from .words import (
     OUTCOME_LEGEND,

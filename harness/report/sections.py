@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from harness.results import CaseResult, VariantResult
-from harness.ulp import scale_words
+from harness.judging.results import CaseResult, VariantResult
+from harness.judging.ulp import scale_words
 
 from .words import clipping_on, finite_or_none, reference_of
 
@@ -94,7 +94,7 @@ def grad_norm_section(result: CaseResult, anchors: dict[int, str]) -> dict:
 def cross_section(rec: Optional[dict]) -> Optional[dict]:
     """The cross-implementation section of index.html: the record, its loss rows, and its tensor rows sorted
     by gradient ULP at tensor scale, worst first, each with ``cells``: {"grad", "param"} -> the ULP at tensor
-    scale as text, or the words for a tensor all zero on one side (`harness.ulp.scale_words`); "—" when not
+    scale as text, or the words for a tensor all zero on one side (`harness.judging.ulp.scale_words`); "—" when not
     compared."""
     if not rec:
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness.results import CaseResult, VariantResult
+from harness.judging.results import CaseResult, VariantResult
 
 from .chart_timeline import timeline_cells
 from .words import (
@@ -125,7 +125,7 @@ def summary_dict(result: CaseResult) -> dict:
          "cross_implementation": None | {"verdict": "pass"|"fail"|"error", "reason": str,
                                          "trainers": [str, str], "variant": str|None, "step": int,
                                          "max_ulp": int, "headline": {...}, "losses": [...],
-                                         "tensors": [...], ...}  (harness.crossimpl),
+                                         "tensors": [...], ...}  (harness.judging.crossimpl),
          "golden": None | {"dir": str, "environment": str, "verdict": "pass"|"fail"|"unchecked",
                            "checked_on": [str], "detail": str},
          "megatron_sources": None | {"head": {"path": str, "version": str, "commit": str|None,
@@ -139,7 +139,7 @@ def summary_dict(result: CaseResult) -> dict:
                                                              "classes": [{"runs": [str], "size": int,
                                                                           "has_baseline": bool,
                                                                           "group": int}]}],
-                            "errored": [str]}  (harness.agreement),
+                            "errored": [str]}  (harness.judging.agreement),
          "environment": {...}}
 
     Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the

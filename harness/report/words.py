@@ -12,7 +12,7 @@ import re
 from html import escape as html_escape
 from typing import Any, Optional
 
-from harness.results import FirstDivergence, VariantResult
+from harness.judging.results import FirstDivergence, VariantResult
 
 #: Characters XML 1.0 cannot represent at all (not even as character references).
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
@@ -221,7 +221,7 @@ def run_to_run_words(rr: Any) -> str:
 
 
 def agreement_splits(agreement: Any) -> list[dict]:
-    """The computations of `CaseResult.agreement` (`harness.agreement.groups`) whose runs split into several
+    """The computations of `CaseResult.agreement` (`harness.judging.agreement.groups`) whose runs split into several
     groups (runs bitwise equal or differing only where a passing run's expectation allows), for the first
     screen: ``[{"label": str, "warning": str, "groups": [{"runs": [str], "has_baseline": bool, "classes":
     int}]}]`` (text cleaned, ``warning`` "" when none, ``classes``: how many bitwise-equal classes the group
@@ -246,7 +246,7 @@ def agreement_splits(agreement: Any) -> list[dict]:
 
 # ------------------------------------------------------------------------------------- outcomes
 
-#: Outcome (`harness.results.Outcome`) -> (css class, symbol in a matrix cell, legend words).  The class
+#: Outcome (`harness.judging.results.Outcome`) -> (css class, symbol in a matrix cell, legend words).  The class
 #: names the colour: green equal, teal allowed, blue expected, red unexpected, grey error, outlined reference.
 OUTCOME_STYLE = {
     "equal": ("equal", "=", "equal"),
@@ -352,7 +352,7 @@ def trace_file(v: VariantResult) -> Optional[str]:
 
 
 def megatron_source_words(src: dict) -> str:
-    """One line naming a megatron source (`harness.sources`): version, commit (+ local changes), path."""
+    """One line naming a megatron source (`harness.planning.sources`): version, commit (+ local changes), path."""
     commit = src.get("commit")
     where = f" commit {str(commit)[:12]}{' + local changes' if src.get('modified') else ''}" if commit else ""
     return f"megatron-core {src.get('version')}{where} at {src.get('path')}"
@@ -404,7 +404,7 @@ def _sig(x: Any) -> str:
 
 def cross_bug_words(rec: Any) -> list[str]:
     """The cross-implementation comparison's bug lines, one per bug: each bug it states on this megatron version,
-    caught or not (`harness.judge.judge_cross_implementation` ``bugs``), with what that bug explains (the first place beyond the
+    caught or not (`harness.judging.judge.judge_cross_implementation` ``bugs``), with what that bug explains (the first place beyond the
     bound and the farthest tensor, or the tensor a further bug states), then the bugs it states for other
     versions; [] when none."""
     if not isinstance(rec, dict):

@@ -6,7 +6,7 @@ import os
 import pathlib
 import uuid
 
-from harness.results import CaseResult
+from harness.judging.results import CaseResult
 
 from .cards import read_run_trace
 from .chrome_trace import chrome_trace

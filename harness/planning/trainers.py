@@ -2,7 +2,7 @@
 run: one line saying why not, before anything runs.
 
 The harness reaches a trainer only through this registry: its worker module (the ranks' entry point,
-`harness.runner`), its admission (`problem`), its planted faults, its cross-implementation partner, and the trace
+`harness.running.runner`), its admission (`problem`), its planted faults, its cross-implementation partner, and the trace
 it writes (TRACE_FORMAT.md).  ``reference`` is ours (reference_impl); ``megatron-core`` runs megatron-core's own
 GPTModel, schedules, DDP and optimizer (megatron_trainer; the optional extra ``bitparity[megatron]``).  For the
 latter the run config is also handed to megatron's own ``TransformerConfig`` here, in the harness, so megatron's
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from megatron_trainer.source import SourceError, activate, installed_root, megatron_source  # noqa: F401  (harness.sources)
+from megatron_trainer.source import SourceError, activate, installed_root, megatron_source  # noqa: F401  (harness.planning.sources)
 from trainerkit.config import DEFAULT_TRAINER, TRAINERS, RunConfig
 
 
@@ -31,10 +31,10 @@ class Trainer:
     (``python -m`` under torchrun, `trainerkit.process.launch` under fork; it must write TRACE_FORMAT.md's trace).
     admission: why a run config cannot run on it, in one line, or None (`problem`).  faults: the planted faults
     its ranks know (test-only, ``inject``).  partner: the trainer the cross-implementation check compares it
-    with (`harness.crossimpl`).  megatron: it imports a megatron-core (per-version expectations
+    with (`harness.judging.crossimpl`).  megatron: it imports a megatron-core (per-version expectations
     ``megatron_versions``, ``layout_rules: megatron``, ``--megatron-base``, megatron's validator).  checkpoints:
     it writes checkpoints and resumes from them (a case's ``resume:``).  library_preload: a module the forkserver
-    may import so that ranks fork with the trainer's library loaded (`harness.runner.preload` says when)."""
+    may import so that ranks fork with the trainer's library loaded (`harness.running.runner.preload` says when)."""
 
     name: str
     worker: str
@@ -193,7 +193,7 @@ def validate_elsewhere(configs: list[RunConfig], timeout_s: float = 300.0) -> li
     import subprocess
     import sys
 
-    from .errors import UsageError
+    from ..errors import UsageError
     path = configs[0].megatron_path
     try:
         done = subprocess.run([sys.executable, "-m", "megatron_trainer.validate"], capture_output=True, text=True,
@@ -233,5 +233,5 @@ REGISTRY: dict[str, Trainer] = {t.name: t for t in (
 # validation and crash at launch, an entry without a name could never be chosen
 if set(REGISTRY) != set(TRAINERS):
     raise ImportError(
-        "harness.trainers: REGISTRY and trainerkit.config.TRAINERS differ: names without an entry "
+        "harness.planning.trainers: REGISTRY and trainerkit.config.TRAINERS differ: names without an entry "
         f"{sorted(set(TRAINERS) - set(REGISTRY))}, entries without a name {sorted(set(REGISTRY) - set(TRAINERS))}")

@@ -1,5 +1,5 @@
 """ULP evidence for a divergence: re-run the first diverging step of both runs with full dumps of the tensors
-involved (safetensors, bounded by a size limit) and measure every difference in ULPs (`harness.ulp`)."""
+involved (safetensors, bounded by a size limit) and measure every difference in ULPs (`harness.judging.ulp`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,10 +8,10 @@ from safetensors.torch import load_file
 
 from trainerkit.config import DumpConfig, RunConfig
 
-from .budget import Deadline
+from ..judging.trace import Trace
+from ..judging.ulp import tensor_stats
+from ..planning.budget import Deadline
 from .runner import run_ranks
-from .trace import Trace
-from .ulp import tensor_stats
 
 MAX_TENSORS = 8
 MAX_BYTES = 256 << 20
@@ -46,7 +46,7 @@ def _dump(cfg: RunConfig, keys: list[str], step: int, run_dir: Path, timeout: fl
 def collect(ref_cfg: RunConfig, cfg: RunConfig, ref: Trace, other: Trace, step: int, work: Path,
             timeout: float, launcher: str, deadline: Deadline = Deadline(None)) -> list[dict]:
     """Per diverging tensor at `step`: {key, what: "grad"|"param", **tensor_stats}.  Raises RuntimeError when
-    a re-run fails or the `deadline` (`harness.budget`) leaves it no time (its message says so)."""
+    a re-run fails or the `deadline` (`harness.planning.budget`) leaves it no time (its message says so)."""
     keys = diverging_keys(ref, other, step)
     if not keys:
         return []

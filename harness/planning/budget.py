@@ -8,7 +8,7 @@ import math
 import re
 import time
 
-from .errors import UsageError
+from ..errors import UsageError
 
 MAX_BUDGET_S = 7 * 86_400.0
 _clock = time.monotonic         # the clock every Deadline reads (tests move it forward)
@@ -34,7 +34,7 @@ def parse_budget(text: str) -> float:
 
 
 # how long a run cut by its watchdog takes to end: 1 s for its ranks' stacks, then up to 5 s for them to exit
-# (`harness.runner`); a run is given the budget's remaining time less this, so that it has ended by the deadline
+# (`harness.running.runner`); a run is given the budget's remaining time less this, so that it has ended by the deadline
 STOP_S = 6.0
 
 
@@ -68,8 +68,8 @@ class Deadline:
         return f"the --budget of {self.text}"
 
     def not_started(self):
-        """The `harness.runner.RunOutcome` of a run this budget left no time to start (error ``not run: ...``)."""
-        from .runner import RunOutcome
+        """The `harness.running.runner.RunOutcome` of a run this budget left no time to start (error ``not run: ...``)."""
+        from ..running.runner import RunOutcome
         return RunOutcome(False, f"not run: {self.words()} was spent before it could start", 0.0)
 
     @staticmethod
@@ -78,10 +78,10 @@ class Deadline:
         return not outcome.ok and outcome.error.startswith(("not run: ", "stopped: "))
 
     def run(self, run_ranks, cfg, run_dir, timeout_s: float, launcher: str):
-        """``run_ranks(cfg, run_dir, timeout, launcher)`` (`harness.runner.run_ranks`) under this budget: not
+        """``run_ranks(cfg, run_dir, timeout, launcher)`` (`harness.running.runner.run_ranks`) under this budget: not
         started once it is spent (`not_started`), else with its watchdog capped (`cap`); a run the cap stopped
         says so (``stopped: ...``, the watchdog's own message below), any other failure is its own."""
-        from .runner import RunOutcome
+        from ..running.runner import RunOutcome
         if self.spent():
             return self.not_started()
         given = self.cap(timeout_s)

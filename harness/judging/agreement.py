@@ -14,7 +14,7 @@ Semantics:
   (dumps, checkpoints) and what is under test (a planted ``inject`` fault, another megatron source): runs
   that differ only there must give the same bits.  Runs of another key (clipping on, canonical reductions,
   another trainer) compute other numbers and are never compared here.
-* Equality is `harness.compare.compare`'s ``bitwise_equal``: every loss bit, gradient and parameter
+* Equality is `harness.judging.compare.compare`'s ``bitwise_equal``: every loss bit, gradient and parameter
   fingerprint, grad norm and the parameter inventory.  It is transitive, so each run is compared with one
   representative per class only.  A representative is the member with the most steps (ties: case order):
   `compare` aligns by step, so a run resumed from a checkpoint (a subset of the steps) joins the class of

@@ -1,8 +1,8 @@
 """Case files: YAML -> validated plan (one `RunConfig` per variant), or one `UsageError` line.
 
-The schema is `harness.case_schema` (its docstring spells it out).  Every layout is parsed and validated and every
+The schema is `harness.planning.case_schema` (its docstring spells it out).  Every layout is parsed and validated and every
 schedule is dry-run (`trainerkit.schedule.simulate`) here, before anything runs or is written.  Sizes are bounded
-first (`harness.bounds`: the file and its YAML alias expansion, P x EP ranks, P x V x num_microbatches;
+first (`harness.planning.bounds`: the file and its YAML alias expansion, P x EP ranks, P x V x num_microbatches;
 `trainerkit.config`: finite floats, model sizes), so a case that passes cannot exhaust memory or processes later.
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ from trainerkit.data import DataError, TokenDataset
 from trainerkit.layout import LayoutError, PipelineLayout
 from trainerkit.schedule import ScheduleError, build_schedule, simulate
 
+from ..errors import UsageError
+from ..judging.crossimpl import other_trainer
 from . import bounds, expectations, trainers
 from .case_schema import CaseSpec, VariantSpec
-from .crossimpl import other_trainer
-from .errors import UsageError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -62,7 +62,7 @@ class PlannedRun:
     config: RunConfig
     layout: PipelineLayout
     is_baseline: bool
-    twin_of: Optional[str] = None   # the run of the case file this one repeats on another megatron (harness.sources)
+    twin_of: Optional[str] = None   # the run of the case file this one repeats on another megatron (harness.planning.sources)
     # the variant as the case file writes it, before its megatron_versions entry for the run's megatron was applied
     declared: Optional[VariantSpec] = None
 
@@ -75,14 +75,14 @@ class CasePlan:
     path: Path
     spec: CaseSpec
     runs: list[PlannedRun]      # baseline first
-    # two megatron sources compared (harness.sources): {"base": {...}, "head": {...}} and the flags that say so,
+    # two megatron sources compared (harness.planning.sources): {"base": {...}, "head": {...}} and the flags that say so,
     # which every reproduce command repeats
     megatron_sources: Optional[dict] = None
     flags: list = field(default_factory=list)
 
     def facts(self) -> dict:
         """What the case adds to the machine's facts that its bits depend on: thread count, device and
-        params_dtype (recorded in the report's environment, and part of the golden key, `harness.golden`)."""
+        params_dtype (recorded in the report's environment, and part of the golden key, `harness.judging.golden`)."""
         return {"num_threads": self.spec.training.num_threads, "device": self.spec.device,
                 "params_dtype": self.runs[0].config.params_dtype}
 
@@ -245,7 +245,7 @@ def _deep_merge(base: dict, over: dict) -> dict:
 def _read_yaml(path: Path, seen: tuple) -> dict:
     """Load a case mapping; ``extends: other.yaml`` (relative to this file) deep-merges this file over it.
     Top-level keys starting with ``x-`` only hold YAML anchors and are dropped.  Each file's size and alias
-    expansion are bounded (`harness.bounds`) before anything is merged."""
+    expansion are bounded (`harness.planning.bounds`) before anything is merged."""
     text = bounds.read_case_text(path)
     if path.resolve() in seen:
         raise UsageError(f"{path}: 'extends' cycle")

@@ -1,4 +1,4 @@
-"""The case file's schema (pydantic models; `harness.cases` reads, validates and plans a case with them).
+"""The case file's schema (pydantic models; `harness.planning.cases` reads, validates and plans a case with them).
 
 Schema (unknown keys and wrong types are errors naming the key; top-level keys starting with ``x-`` are
 ignored, so they can hold YAML anchors that variants merge with ``<<: *anchor``; ``extends: other.yaml``
@@ -11,9 +11,9 @@ starts from another case and deep-merges this file's mappings over it)::
     model: {ModelConfig fields}      # trainerkit.config
     training: {TrainingConfig fields}
     baseline: {name, pipeline_model_parallel_layout, pipeline_model_parallel_size, options}
-    trainer: reference               # or megatron-core (harness.trainers); a variant may set its own
+    trainer: reference               # or megatron-core (harness.planning.trainers); a variant may set its own
     cross_implementation: {variant: pp1, step: 0, max_ulp: 16}   # optional: that run again by the other
-                                     # trainer, from the same weights and data, compared in ULPs (harness.crossimpl;
+                                     # trainer, from the same weights and data, compared in ULPs (harness.judging.crossimpl;
                                      # both in params_dtype: float32 by default)
     variants:
       - name: ...
@@ -32,10 +32,10 @@ starts from another case and deep-merges this file's mappings over it)::
                                      # param, buffer (the routers' expert_bias); max_ulp: N bounds a loss / grad_norm first divergence; a list
                                      # [{...}, {...}] allows any one of several places
         signature: [{step: 0, kind: grad, name: ...}, {from_step: 1}]   # everything that may differ
-                                     # (harness.signature; default: derived from first_divergence)
+                                     # (harness.judging.signature; default: derived from first_divergence)
         replica_drift: {name: embedding.word_embeddings.weight@mtp, step: 0}   # a replica stated to train
                                      # apart (an upstream bug); any other replica drift fails the run, whatever
-                                     # its expect (harness.judge), and a stated one that does not happen too
+                                     # its expect (harness.judging.judge), and a stated one that does not happen too
 
     ``may_diverge`` is the honest statement about rounding: the run may be bitwise equal, and if it is not, its
     first divergence must be the one given (so nothing differs before it).  Use it wherever a difference
@@ -44,7 +44,7 @@ starts from another case and deep-merges this file's mappings over it)::
     construction (another model, another microbatch count, a planted bit flip).
         inject: grad_bit_flip        # test-only planted fault (reference_impl.faults); --inject sets it for all
         trainer: megatron-core       # this variant's trainer (default: the case's `trainer:`, itself default
-                                     # reference); harness.trainers says what megatron-core can run
+                                     # reference); harness.planning.trainers says what megatron-core can run
         megatron: {batch_p2p_comm: true}   # megatron's own options (megatron_trainer.options), over the case's
                                      # top-level `megatron:` mapping
         layout_rules: megatron       # only megatron's layout rules (run a layout megatron accepts and trains wrong)
@@ -54,7 +54,7 @@ starts from another case and deep-merges this file's mappings over it)::
                                      # first_divergence, signature, replica_drift, bug; expect: not_finite = the run must stop
                                      # being finite there (a bug caught)
 
-`harness.cases` plans what passes the schema: layouts, schedules, sizes, trainers, megatron's own validators.
+`harness.planning.cases` plans what passes the schema: layouts, schedules, sizes, trainers, megatron's own validators.
 """
 from __future__ import annotations
 
@@ -64,11 +64,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainerkit.config import DEFAULT_TRAINER, MAX_GPUS, MAX_TIMEOUT_S, ModelConfig, TrainerName, TrainingConfig
 
+from ..judging.crossimpl import CrossImplementationSpec
+from ..judging.results import DivergenceKind, Expect
+from ..judging.signature import SignaturePlace
 from . import bounds
-from .crossimpl import CrossImplementationSpec
 from .expectations import check_specifiers
-from .results import DivergenceKind, Expect
-from .signature import SignaturePlace
 
 
 class _Strict(BaseModel):
@@ -91,7 +91,7 @@ class ExpectedDivergence(_Strict):
 class ReplicaDrift(_Strict):
     """A replica stated to train apart from its original (an upstream bug, e.g. Megatron-LM e0afe89a75: with
     ``decoupled_lr`` the MTP stage's word-embedding copy trains at the base LR): the run passes its replica check
-    only when the first broken replica (`harness.compare.replica_status`) is `name` (a trace key with its replica
+    only when the first broken replica (`harness.judging.compare.replica_status`) is `name` (a trace key with its replica
     tag, ``embedding.word_embeddings.weight@mtp``) from `step` (None: any step), and fails when every replica
     matches (the bug is not caught)."""
 
@@ -147,7 +147,7 @@ class VariantSpec(_Strict):
     expect: Expect = "bitwise"
     # one place, or a list of places any one of which may be the first divergence
     first_divergence: Optional[list[ExpectedDivergence]] = None
-    signature: Optional[list[SignaturePlace]] = None    # everything that may differ (harness.signature)
+    signature: Optional[list[SignaturePlace]] = None    # everything that may differ (harness.judging.signature)
     # replicas stated to train apart from their originals (an upstream bug); any other drift fails the run
     replica_drift: Optional[list[ReplicaDrift]] = None
     inject: Optional[str] = None        # test-only planted fault (reference_impl.faults)
@@ -162,7 +162,7 @@ class VariantSpec(_Strict):
     # the upstream bug this run exposes (a Megatron-LM commit or issue): the report shows it beside the verdict
     bug: Optional[str] = Field(None, max_length=300)
     # what holds on other megatron versions: the first entry whose `versions` (PEP 440) match the run's
-    # megatron-core replaces expect / first_divergence / signature / replica_drift / bug (harness.expectations.resolve)
+    # megatron-core replaces expect / first_divergence / signature / replica_drift / bug (harness.planning.expectations.resolve)
     megatron_versions: list[VersionExpectation] = Field(default_factory=list, max_length=16)
     # names reach the terminal and the report: an ANSI escape or a newline in one is rejected, not printed
     _names_printable = field_validator("name", "compare_to", "inject", "bug")(bounds.printable)
@@ -179,12 +179,12 @@ class CaseSpec(_Strict):
     params_dtype: Optional[Literal["float32", "bfloat16"]] = None   # default: float32 on cpu, bfloat16 on cuda
     num_gpus: Optional[int] = Field(None, ge=1, le=MAX_GPUS)         # cuda: GPUs to spread ranks over
     capture: Literal["full", "activations"] = "full"                 # activations: in-step fingerprints too
-    trainer: TrainerName = DEFAULT_TRAINER     # harness.trainers; a variant may override
+    trainer: TrainerName = DEFAULT_TRAINER     # harness.planning.trainers; a variant may override
     # megatron's own options by Megatron-LM's names (megatron_trainer.options); a variant's `megatron:` adds to it
     megatron: dict = Field(default_factory=dict)
     model: ModelConfig
     training: TrainingConfig = TrainingConfig()
     baseline: VariantSpec
     variants: list[VariantSpec] = Field(default_factory=list)
-    # one run repeated by the other trainer from identical weights and data, measured in ULPs (harness.crossimpl)
+    # one run repeated by the other trainer from identical weights and data, measured in ULPs (harness.judging.crossimpl)
     cross_implementation: Optional[CrossImplementationSpec] = None

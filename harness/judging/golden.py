@@ -2,10 +2,10 @@
 
 Layout comparison cannot see a bug that is the same on every layout (an aux-loss scale divided twice, a loss
 normalised per sample): every run gets the same wrong numbers.  A golden is the trace of each variant of a
-passing run (`harness.trace.Trace` without timings, activations and boundary fingerprints: loss bits,
+passing run (`harness.judging.trace.Trace` without timings, activations and boundary fingerprints: loss bits,
 gradient / parameter / buffer fingerprints, grad norms, the inventory), plus the environment key that the
 bits depend on.  ``bitparity verify CASE --golden DIR`` compares every run with its golden exactly like a
-layout comparison (`harness.compare.compare`: the first difference in dataflow order); ``--write-golden DIR``
+layout comparison (`harness.judging.compare.compare`: the first difference in dataflow order); ``--write-golden DIR``
 records them (only from a run whose verdicts all pass).
 
 Environment: bits are only comparable under the same arithmetic (torch build, Python, ATen kernel set, MKL's
@@ -14,7 +14,7 @@ versions).  A golden from another environment is refused before anything runs, n
 would blame the code for the machine); so is one whose step count differs from the run's (``--train-iters``).
 The shipped goldens are recorded with ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`` (``make golden``).
 
-CPU family (vendor and family, `harness.arithmetic.cpu_family`): not a refusal but a record of where the goldens
+CPU family (vendor and family, `harness.running.arithmetic.cpu_family`): not a refusal but a record of where the goldens
 held.  ``checked_on`` lists the families on which these goldens were recorded or confirmed bitwise.  On a
 family not in it the runs are compared all the same: equal -> pass (and ``--write-golden`` adds the family).
 A difference there depends on what the list shows:
@@ -44,15 +44,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from . import trainers
-from .arithmetic import environment
+from ..errors import UsageError
+from ..planning import trainers
+from ..running.arithmetic import environment
 from .compare import compare
-from .errors import UsageError
 from .golden_schema import trace_problem
 from .trace import StepTrace, Trace
 
 FORMAT = "bitparity-golden/2"
-#: The environment facts a trace's bits depend on (`harness.arithmetic.environment`'s keys plus the case's device,
+#: The environment facts a trace's bits depend on (`harness.running.arithmetic.environment`'s keys plus the case's device,
 #: params_dtype and num_threads); each variant's entry also keeps its trainer's versions.
 KEY_FIELDS = ("torch", "python", "machine", "aten_cpu_capability", "mkl_cbwr", "blas", "blas_version", "gpu", "cuda",
               "cublas", "device", "params_dtype", "num_threads")
@@ -134,7 +134,7 @@ def _read_trace(directory: Path, file: str) -> dict:
 def load(directory: Path, case: str, runs: dict, key: dict) -> dict:
     """Load and check DIR's goldens before anything runs; returns {"index": ..., "traces": {file: raw}}.
 
-    `runs`: {variant: (train_iters, `harness.trainers.versions`)} of the planned runs that have a golden;
+    `runs`: {variant: (train_iters, `harness.planning.trainers.versions`)} of the planned runs that have a golden;
     `key`: this machine's `environment_key`.
 
     Raises:
@@ -202,7 +202,7 @@ def check_writable(directory: Path, case: str, partial: bool, key: dict, family:
 
 def write(directory: Path, case: str, traces: dict, files: dict, key: dict, env: dict, trainers: dict) -> None:
     """Record `traces` ({variant: Trace}) as goldens under `directory` (`files`: {variant: file stem},
-    `trainers`: {variant: `harness.trainers.versions`}), after `check_writable`.
+    `trainers`: {variant: `harness.planning.trainers.versions`}), after `check_writable`.
 
     Runs with identical bits share one file (the bitwise-equal layouts of a case: one golden).  Goldens of
     variants not in `traces` are kept when the environment is the same (a refresh with --only); only files
@@ -345,8 +345,8 @@ class GoldenRequest:
 
 
 def key_for(plan) -> dict:
-    """This machine's golden environment key for `plan` (`environment_key` of `harness.arithmetic.environment`
-    plus the case's own facts, `harness.cases.CasePlan.facts`)."""
+    """This machine's golden environment key for `plan` (`environment_key` of `harness.running.arithmetic.environment`
+    plus the case's own facts, `harness.planning.cases.CasePlan.facts`)."""
     return environment_key({**environment(), **plan.facts()})
 
 

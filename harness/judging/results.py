@@ -1,4 +1,4 @@
-"""Result model shared by `harness.compare` (producer) and `harness.report` (consumer).
+"""Result model shared by `harness.judging.compare` (producer) and `harness.report` (consumer).
 
 Plain dataclasses so that `dataclasses.asdict` gives the JSON written to `summary.json`.
 """
@@ -18,7 +18,7 @@ EXPECTS: tuple = get_args(Expect)
 Outcome = Literal["reference", "equal", "differs only where allowed", "differs as expected",
                   "unexpected difference", "unexpectedly equal", "not finite", "not finite as expected",
                   "unexpectedly finite", "error"]
-#: ``buffer``: a traced buffer after its update (the routers' expert bias), not a parameter (`harness.compare`)
+#: ``buffer``: a traced buffer after its update (the routers' expert bias), not a parameter (`harness.judging.compare`)
 DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "param", "buffer"]
 
 #: Parameter families used to group mismatches (see `trainerkit.names.family`).
@@ -87,18 +87,18 @@ class VariantResult:
     command: str = ""                             # command that reproduces this variant alone
     compare_to: str = ""                          # the reference run it is compared with
     reductions: str = "megatron"                  # reduction mode (reference_impl/reductions.py)
-    trainer: str = DEFAULT_TRAINER                # which trainer ran it (harness.trainers)
+    trainer: str = DEFAULT_TRAINER                # which trainer ran it (harness.planning.trainers)
     clip_grad: float = 0.0
     # schedule timeline with unit costs (forward 1, backward 2): one dict per compute action
     # {rank, start, end, op: "F"|"B", stage, microbatch}; and the idle fraction of rank-time
     # run-to-run control (`repeat: n`): {"runs": n, "deterministic": bool, "first_divergence": dict|None,
     # "detail": str}; {} when the variant ran once.  Kept apart from the layout comparison.
     run_to_run: dict = field(default_factory=dict)
-    # ULP evidence at the first diverging step (`harness.evidence`): per differing tensor {key, what:
+    # ULP evidence at the first diverging step (`harness.running.evidence`): per differing tensor {key, what:
     # "grad"|"param", dtype, numel, differing, fraction, max_ulp, median_ulp, histogram, max_abs_err,
     # max_rel_err, nan_mismatch}; [] when not collected.  `evidence_error`: why collection failed.
     ulp_evidence: list = field(default_factory=list)
-    # with capture: activations (`harness.localise`): {step, microbatch, tensor, direction, message} of the
+    # with capture: activations (`harness.judging.localise`): {step, microbatch, tensor, direction, message} of the
     # first differing in-step tensor; {} when not captured or not found
     localisation: dict = field(default_factory=dict)
     evidence_error: str = ""
@@ -107,26 +107,26 @@ class VariantResult:
     # parameter-inventory differences from the reference run, one line each, in canonical order
     # ("<key>: only in the baseline", "<key>: weight_decay True (baseline) vs False"); empty when equal
     inventory: list = field(default_factory=list)
-    # this run's own replicas vs their originals (`harness.compare.replica_status`):
+    # this run's own replicas vs their originals (`harness.judging.compare.replica_status`):
     # {"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}; {} on error
     replica_status: dict = field(default_factory=dict)
     expert_model_parallel_size: int = 1           # EP
     data_parallel_size: int = 1                   # DP (megatron-core; the run has pp x max(DP, EP) ranks)
-    # megatron's MoE 1F1B overlap as it ran (`harness.trace.overlap_coverage`): {"merged": {rank: [per step]},
+    # megatron's MoE 1F1B overlap as it ran (`harness.judging.trace.overlap_coverage`): {"merged": {rank: [per step]},
     # "backward_dw": {...}, "warning": str | None}; {} without the overlap
     overlap_coverage: dict = field(default_factory=dict)
     overlap: bool = False                         # overlap_moe_expert_parallel_comm (Megatron's 1F1B overlap)
     delay_wgrad: bool = False                     # delay_wgrad_compute
-    outcome: Outcome | Literal[""] = ""           # what happened, in words (`harness.judge.judge`); "" unjudged
-    # differences outside the expected divergence's signature (`harness.signature`), one line each
+    outcome: Outcome | Literal[""] = ""           # what happened, in words (`harness.judging.judge.judge`); "" unjudged
+    # differences outside the expected divergence's signature (`harness.judging.signature`), one line each
     # ("step 0 grad mtp.layers.0.eh_proj.weight"), at most 20 then "… and N more"; [] when none or not checked
     outside_signature: list = field(default_factory=list)
     outside_signature_count: int = 0              # how many differences lie outside (all, not only the lines)
-    # comparison with the golden trace (`harness.golden`, `verify --golden DIR`): {"status": "equal" | "differs"
+    # comparison with the golden trace (`harness.judging.golden`, `verify --golden DIR`): {"status": "equal" | "differs"
     # | "missing" | "other environment", "first_divergence": dict | None, "detail": str}; {} when not asked
     golden: dict = field(default_factory=dict)
     # the upstream bug this run states (its `bug:` for the run's megatron version), and where the run first went
-    # wrong when not finite (`harness.trace.NonFinite` as words); None / "" otherwise
+    # wrong when not finite (`harness.judging.trace.NonFinite` as words); None / "" otherwise
     bug: Optional[str] = None
     nonfinite: str = ""
     # bugs the case states for other megatron versions than this run's, "<bug> (megatron-core <versions>)": the
@@ -155,17 +155,17 @@ class CaseResult:
     elapsed_s: float
     environment: dict                             # torch version, threads, python, platform, device
     command: str                                  # command line that reproduces the whole report
-    cross_implementation: Optional[dict] = None   # harness.crossimpl's record, when the case asks for one
+    cross_implementation: Optional[dict] = None   # harness.judging.crossimpl's record, when the case asks for one
     # `verify --golden DIR`: {"dir": str, "environment": "same" | one line naming what differs, "verdict":
     # "pass" | "fail" | "unchecked" (differs on a CPU family the goldens were never checked on, when they were
-    # checked on fewer than two: `harness.golden.check`), "checked_on"}; None
+    # checked on fewer than two: `harness.judging.golden.check`), "checked_on"}; None
     # when not asked
     golden: Optional[dict] = None
-    # `verify --megatron-base/--megatron-head` (harness.sources): {"head": {"path", "version", "commit",
+    # `verify --megatron-base/--megatron-head` (harness.planning.sources): {"head": {"path", "version", "commit",
     # "modified"}, "base": {...}, "same": bool (base is head's directory)}; None when the case ran on the
     # interpreter's megatron alone
     megatron_sources: Optional[dict] = None
-    # which runs agree (`harness.agreement.groups`): {"split": bool, "computations": [{"label", "key", "split",
+    # which runs agree (`harness.judging.agreement.groups`): {"split": bool, "computations": [{"label", "key", "split",
     # "warning": str | None, "groups": [{"runs", "size", "has_baseline", "classes"}], "classes": [{"runs",
     # "size", "has_baseline", "group"}]}], "errored": [str]}; {} when not computed
     agreement: dict = field(default_factory=dict)

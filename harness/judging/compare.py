@@ -13,7 +13,7 @@ after the optimizer step (canonical order), then the buffers after their update 
 ``buffer``: state that is not a parameter, `trainerkit.names.is_buffer`).  The first difference in
 that order is the first divergence: the first tensor computed differently.  Gradients accumulate over all
 microbatches before they are captured, so within a step this is the layer where a backward difference
-starts; with ``capture: activations`` `harness.localise` goes down to one microbatch and one layer input.
+starts; with ``capture: activations`` `harness.judging.localise` goes down to one microbatch and one layer input.
 """
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def backward_first(keys: list, params: dict) -> str:
     gradient a step's backward computes first: the last in canonical order (the backward runs the canonical
     order in reverse, module docstring); of a tensor and its replicas (the same ``params[k]["order"]`` key)
     the original, whose name the reader knows.  Layout comparisons (`compare`) and the cross-implementation
-    check (`harness.crossimpl.compare`) both name their first gradient so."""
+    check (`harness.judging.crossimpl.compare`) both name their first gradient so."""
     last = params[keys[-1]]["order"]
     return next(k for k in keys if params[k]["order"] == last)
 
@@ -167,7 +167,7 @@ def compare(base: Trace, other: Trace) -> Comparison:
     gradients in backward order, the reverse of the canonical order, so a difference that starts in one
     layer is named there and not at the word embedding its consequences reach last.  When the first differing
     gradient in canonical order is another tensor, `FirstDivergence.canonical` says so in one line.  Every
-    difference is listed in `Comparison.differences` (for `harness.signature`).
+    difference is listed in `Comparison.differences` (for `harness.judging.signature`).
 
     An inventory difference (`inventory_diff`) is the first divergence, kind ``inventory`` at step 0, named
     after the first differing parameter: the runs do not train the same model.  The numbers are still

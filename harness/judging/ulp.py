@@ -102,7 +102,7 @@ def scale_words(entry: dict, names: tuple[str, str]) -> str:
     |difference| 3.1e-04)"``, because a ULP at the scale of an all-zero tensor is the smallest subnormal's
     (1.4e-45 in fp32): a count in it (~1e41) says nothing a reader can use.
 
-    `entry`: ``{"scaled_ulp": float, "zero_in": str | None, "max_abs_err": float}`` (`harness.crossimpl`)."""
+    `entry`: ``{"scaled_ulp": float, "zero_in": str | None, "max_abs_err": float}`` (`harness.judging.crossimpl`)."""
     zero = entry.get("zero_in")
     if zero:
         other = names[1] if zero == names[0] else names[0]

@@ -3,7 +3,7 @@
 An allowed place that can never match (a step past ``train_iters``, a parameter the model does not have, a
 loss the run does not compute) would pass silently wherever the run happens to be bitwise equal, so a typo
 would never be caught: every such place is a one-line `UsageError`.  The names are the trace's
-(`harness.compare`): losses ``lm``, ``mtp_1``..``mtp_D``, ``lm loss (reported)``, ``microbatch count``;
+(`harness.judging.compare`): losses ``lm``, ``mtp_1``..``mtp_D``, ``lm loss (reported)``, ``microbatch count``;
 ``grad norm``; global parameter names (`trainerkit.names`) for grad, param and inventory, buffer names (the
 routers' ``expert_bias``, `trainerkit.names.is_buffer`) for buffer.
 """
@@ -15,7 +15,7 @@ from typing import Optional
 from trainerkit import names
 from trainerkit.config import ModelConfig, TrainingConfig
 
-from .errors import UsageError
+from ..errors import UsageError
 
 _SCALAR_ULP_KINDS = ("loss", "grad_norm")
 
@@ -48,7 +48,7 @@ def check(where: str, expect: str, wants, is_baseline: bool, model: ModelConfig,
         UsageError: the baseline carries an expectation; first_divergence with ``bitwise``; ``may_diverge``
             without a place, or an empty list; max_ulp on a kind without one bit pattern per run; a step
             >= train_iters, a microbatch >= num_microbatches, a name that no run of this model can produce;
-            the same for the places of a `signature` (`harness.signature`), which needs may_diverge or diverge;
+            the same for the places of a `signature` (`harness.judging.signature`), which needs may_diverge or diverge;
             a `replica_drift` name without a replica tag (``@mtp``) or not of the model, a step >= train_iters.
     """
     if is_baseline and (expect != "bitwise" or wants or replica_drift):
@@ -108,7 +108,7 @@ def _check_place(at: str, place, step_fields: tuple, model: ModelConfig, trainin
         raise UsageError(f"{at}.name {name!r}: a loss is one of {', '.join(sorted(_loss_names(model)))}")
     if kind == "grad_norm" and name != "grad norm":
         raise UsageError(f"{at}.name {name!r}: the grad norm is named 'grad norm' (or leave name out)")
-    # a buffer differs as kind buffer only (harness.compare): under another kind its name could never match
+    # a buffer differs as kind buffer only (harness.judging.compare): under another kind its name could never match
     if kind in ("grad", "param", "inventory") and names.is_buffer(name):
         raise UsageError(f"{at}.name {name!r} is a buffer (the router's expert bias: no gradient, not a "
                          f"parameter), not a {kind}: write kind: buffer")
@@ -201,6 +201,6 @@ def bugs_elsewhere(declared, applied) -> list[str]:
     """The bugs `declared`'s other `megatron_versions` entries state (not `applied`, not the run's own), as
     ``"<bug> (megatron-core <versions>)"``: what the report lists as passing on this run's megatron."""
     own = applied.bug if applied is not None and applied.bug else declared.bug
-    # a cross-implementation entry may state more bugs than one (`harness.crossimpl.StatedBug`)
+    # a cross-implementation entry may state more bugs than one (`harness.judging.crossimpl.StatedBug`)
     return [f"{bug} (megatron-core {e.versions})" for e in declared.megatron_versions if e is not applied
             for bug in [e.bug, *(m.bug for m in getattr(e, "more_bugs", ()))] if bug and bug != own]

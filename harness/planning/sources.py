@@ -20,9 +20,9 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
+from ..errors import UsageError
 from . import expectations, trainers
 from .cases import CasePlan, PlannedRun
-from .errors import UsageError
 
 BASE_SUFFIX = "@base"
 

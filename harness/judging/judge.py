@@ -1,17 +1,17 @@
 """The one judge: every verdict bitparity gives — `bitparity verify`'s runs (`harness.verify`), `bitparity compare`'s
 pair (`harness.compare_dirs`), a drawn layout of `bitparity fuzz` (`harness.fuzz`) — is `decide`'s, from what the
 case expects (`Expectation`) and what was measured of the run (`Evidence`); the cross-implementation check's
-(`harness.crossimpl`: two trainers, one run) is `judge_cross_implementation`'s, and a golden's
-(`harness.golden`) adds to a run's verdict.  Rules, in the order they apply:
+(`harness.judging.crossimpl`: two trainers, one run) is `judge_cross_implementation`'s, and a golden's
+(`harness.judging.golden`) adds to a run's verdict.  Rules, in the order they apply:
 
 1. the run did not complete (``error``), or its run-to-run repeats were not all run: ``error``;
 2. run-to-run nondeterminism: ``fail`` (not a layout effect);
-3. a replica that trains apart from its original (`harness.compare.replica_status`) fails *whatever the
+3. a replica that trains apart from its original (`harness.judging.compare.replica_status`) fails *whatever the
    expectation*, unless the expectation states that drift (``replica_drift``: its replica and first step; an
    upstream bug such as Megatron-LM e0afe89a75); a stated drift that does not happen fails too (the bug is
    not caught);
 4. the comparison with the reference run against ``expect`` / ``first_divergence`` (`judge`), then the
-   divergence signature (`harness.signature`: nothing may differ outside it);
+   divergence signature (`harness.judging.signature`: nothing may differ outside it);
 5. a stage-boundary message that arrived with other bits than were sent: ``fail``;
 6. finiteness (`judge_nonfinite`: NaN bits compare equal to themselves);
 7. words only, no verdict change: overlap coverage, activation localisation.
@@ -25,8 +25,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from . import crossimpl, expectations, signature, trainers
-from .cases import PlannedRun
+from ..planning import expectations, trainers
+from ..planning.cases import PlannedRun
+from . import crossimpl, signature
 from .compare import Comparison
 
 #: The format tag of ``runs/<variant>/comparison.json`` (`comparison_record`).
@@ -36,7 +37,7 @@ COMPARISON_FORMAT = "bitparity-comparison/1"
 @dataclass(frozen=True)
 class Expectation:
     """What a run must show: a variant's ``expect``, ``first_divergence``, ``signature`` and ``replica_drift``
-    (`harness.case_schema.VariantSpec`, after `harness.expectations.resolve`), the reference's name for the words
+    (`harness.planning.case_schema.VariantSpec`, after `harness.planning.expectations.resolve`), the reference's name for the words
     and whether the run is the case's baseline (compared with itself)."""
 
     expect: str = "bitwise"
@@ -57,9 +58,9 @@ class Expectation:
 @dataclass(frozen=True)
 class Evidence:
     """What was measured of one run; a field left at its default was not measured (an errored run has only
-    `error`).  ``replicas``: `harness.compare.replica_status`; ``boundary``: `harness.localise.boundary_mismatches`;
-    ``nonfinite``: `harness.trace.first_nonfinite`; ``coverage``: `harness.trace.overlap_coverage`;
-    ``localisation``: `harness.localise.localise`; ``clipping``: the runs clip the grad norm (the signature's
+    `error`).  ``replicas``: `harness.judging.compare.replica_status`; ``boundary``: `harness.judging.localise.boundary_mismatches`;
+    ``nonfinite``: `harness.judging.trace.first_nonfinite`; ``coverage``: `harness.judging.trace.overlap_coverage`;
+    ``localisation``: `harness.judging.localise.localise`; ``clipping``: the runs clip the grad norm (the signature's
     reach); ``planted``: the run carries a planted fault (`reference_impl.faults`)."""
 
     error: Optional[str] = None
@@ -77,8 +78,8 @@ class Evidence:
 
 @dataclass(frozen=True)
 class Verdict:
-    """`decide`'s answer: ``verdict`` (pass / fail / error), ``outcome`` (`harness.results.Outcome`, what happened
-    in words), ``reason`` (one line) and ``outside`` (the `harness.compare.Difference` s outside the divergence
+    """`decide`'s answer: ``verdict`` (pass / fail / error), ``outcome`` (`harness.judging.results.Outcome`, what happened
+    in words), ``reason`` (one line) and ``outside`` (the `harness.judging.compare.Difference` s outside the divergence
     signature)."""
 
     verdict: str
@@ -109,7 +110,7 @@ def decide(want: Expectation, ev: Evidence) -> Verdict:
 
 
 def comparison_record(v, **extra) -> dict:
-    """``runs/<variant>/comparison.json`` of `harness.results.VariantResult` `v`: its verdict and structural
+    """``runs/<variant>/comparison.json`` of `harness.judging.results.VariantResult` `v`: its verdict and structural
     checks (the one writer: `bitparity verify` and `bitparity compare`, which adds the directories ``a``, ``b``)."""
     return {"format": COMPARISON_FORMAT, "variant": v.name, "compare_to": v.compare_to, **extra,
             "verdict": v.verdict, "outcome": v.outcome, "reason": v.reason, "bitwise_equal": v.bitwise_equal,
@@ -161,7 +162,7 @@ def judge(want: Expectation, cmp: Optional[Comparison], error: Optional[str], re
     """(verdict, outcome, one-line reason) of a run's comparison `cmp` with its reference, its replicas
     (`replica_words`) and its run-to-run control: rules 1-4 of the module docstring without the signature.
 
-    verdict: pass / fail / error (the exit code).  outcome (`harness.results.Outcome`): what happened —
+    verdict: pass / fail / error (the exit code).  outcome (`harness.judging.results.Outcome`): what happened —
     ``equal``, ``differs only where allowed`` (``may_diverge``, first divergence where it was allowed),
     ``differs as expected`` (``diverge``), ``unexpected difference``, ``unexpectedly equal``, ``error``, or
     ``reference`` for the baseline.
@@ -215,8 +216,8 @@ def judge(want: Expectation, cmp: Optional[Comparison], error: Optional[str], re
 
 
 def judge_cross_implementation(rec: dict, want: dict) -> dict:
-    """The cross-implementation check's verdict: `rec` (`harness.crossimpl.run`'s measured record: verdict
-    pass / fail against the bound alone, or error) judged against the expectation `want` (`harness.crossimpl.expected`):
+    """The cross-implementation check's verdict: `rec` (`harness.judging.crossimpl.run`'s measured record: verdict
+    pass / fail against the bound alone, or error) judged against the expectation `want` (`harness.judging.crossimpl.expected`):
     a ``disagree`` expectation passes only when the runs disagree first where it says, every further stated bug
     (``more_bugs``) has its tensor beyond the bound, and for no other reason (weights, inventory or data that
     differ mean the comparison itself is broken).  The measured verdict stays in ``measured``; ``bugs`` lists
@@ -273,7 +274,7 @@ def bugs_elsewhere(run: PlannedRun) -> list[str]:
 
 def judge_nonfinite(want, nonfinite, verdict: str, happened: str, reason: str,
                      planted: bool = False) -> tuple[str, str, str]:
-    """(verdict, outcome, reason) once the run's first NaN / inf (`harness.trace.first_nonfinite`, or None) is
+    """(verdict, outcome, reason) once the run's first NaN / inf (`harness.judging.trace.first_nonfinite`, or None) is
     known.  NaN bits compare equal to themselves, so a broken run must not pass as "equal": it fails, except a
     ``diverge`` run with a planted fault (`planted`: broken on purpose, it only says so) and a ``not_finite``
     run, which passes only when it is not finite where its first_divergence says (the bug it states is caught

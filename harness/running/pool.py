@@ -39,7 +39,7 @@ def run_packed(items: Sequence[T], weight: Callable[[T], int], body: Callable[[T
 
     Returns the results in the items' order.  The first exception of a body is raised once every started body
     has returned (no rank outlives this call: each body's own runner reaps its ranks); bodies not yet started
-    then never start.  Ctrl-C (`harness.interrupt`) reaches the bodies through their own waiting loops.
+    then never start.  Ctrl-C (`harness.running.interrupt`) reaches the bodies through their own waiting loops.
 
     Raises:
         ValueError: jobs or budget < 1."""

@@ -1,5 +1,5 @@
-"""The shape of a golden trace file (`harness.golden`'s ``runs/*.json``), checked when the goldens are loaded,
-before anything runs: whatever passes here, `harness.compare` can compare without failing (pydantic models of
+"""The shape of a golden trace file (`harness.judging.golden`'s ``runs/*.json``), checked when the goldens are loaded,
+before anything runs: whatever passes here, `harness.judging.compare` can compare without failing (pydantic models of
 the fields it reads; types strict, no stray keys in a step)."""
 from __future__ import annotations
 

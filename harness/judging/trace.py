@@ -139,7 +139,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
 
     Expert parallelism (world = P x EP, global rank = pp_rank * EP + ep_rank): the ranks of EP rank > 0
     trace their own experts under the global names and their copies of everything else under replica keys
-    (``name@ep1``, checked by `harness.compare.replica_status`); their losses, buffers (expert bias), grad
+    (``name@ep1``, checked by `harness.judging.compare.replica_status`); their losses, buffers (expert bias), grad
     norm, activations, boundary fingerprints and router tie counts must equal EP rank 0's, else the merge
     fails naming the rank (they never overwrite EP rank 0's records silently).  ``router_ties`` (optional) is
     merged by router name like the buffers: each router lives on one pipeline rank.

@@ -1,4 +1,4 @@
-"""Bounds on hostile or mistaken input, checked before anything runs (used by `harness.cases` and `harness.cli`).
+"""Bounds on hostile or mistaken input, checked before anything runs (used by `harness.planning.cases` and `harness.cli`).
 
 A case file is read with a size limit and its YAML is composed and measured before any Python object is built:
 aliases and ``<<`` merges can make a few hundred bytes expand to gigabytes ("billion laughs"), so the expanded
@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 
 import yaml
 
-from .errors import UsageError
+from ..errors import UsageError
 
 MAX_CASE_BYTES = 1 << 20        # a case file is a few KB; dsv3.yaml is 10 KB
 MAX_YAML_NODES = 100_000        # expanded (aliases counted at every use); dsv3.yaml: 625

@@ -18,7 +18,7 @@ Fields left out match anything; ``name`` matches a trace key without its replica
 The default signature is derived from `first_divergence` (the reason the case gives) and the step `s` where
 the run first differs: at `s`, each allowed place and what it changes within the same step; after `s`,
 anything (the update carries any difference into every later number).  Within one step (dataflow order,
-`harness.compare`): a differing loss changes the whole backward (everything at `s`); a differing gradient
+`harness.judging.compare`): a differing loss changes the whole backward (everything at `s`); a differing gradient
 ``X`` changes the grad norm, ``X``'s update and, when the runs clip, every update (the clip coefficient);
 a differing gradient of unnamed tensors changes the norm and every update; the grad norm changes every
 update (when clipping); a parameter or a buffer (the routers' expert bias) changes only itself; an inventory
@@ -78,7 +78,7 @@ def matches(place: SignaturePlace, d: Difference) -> bool:
 
 
 def default_signature(wants: list, step: int, clipping: bool) -> list[SignaturePlace]:
-    """The signature implied by the allowed first divergences `wants` (`harness.cases.ExpectedDivergence`)
+    """The signature implied by the allowed first divergences `wants` (`harness.planning.cases.ExpectedDivergence`)
     when the run first differs at `step`, and whether the runs clip (module docstring)."""
     places = [SignaturePlace(from_step=step + 1)]
     for w in wants:
@@ -121,7 +121,7 @@ def lines(diffs: list[Difference]) -> list[str]:
 
 
 def judge(verdict: tuple[str, str, str], spec, cmp: Optional[Comparison], clipping: bool) -> tuple[str, str, str, list]:
-    """`harness.judge.judge`'s (verdict, outcome, reason) with the signature applied: a passing
+    """`harness.judging.judge.judge`'s (verdict, outcome, reason) with the signature applied: a passing
     ``may_diverge`` / ``diverge`` variant that differs outside its signature fails.  Returns the four-tuple
     (verdict, outcome, reason, the `Difference` s outside)."""
     if cmp is None or verdict[0] != "pass" or spec.expect in ("bitwise", "not_finite"):

@@ -18,13 +18,13 @@ missing weight decay, a convention mismatch).  What is compared, at one step (``
   update by a whole ``lr`` between two implementations that agree to 1e-7.
 
 The verdict fails when a loss or a gradient is beyond ``max_ulp``, and names the first such place in dataflow
-order, as layout comparisons name their first divergence (`harness.compare`): the losses first (microbatches
+order, as layout comparisons name their first divergence (`harness.judging.compare`): the losses first (microbatches
 ascending; lm, then mtp_1..mtp_D), then the gradients in backward order (the reverse of the canonical order:
-output head, MTP, final norm, decoder layers from the last, embedding; `harness.compare.backward_first`), so a
+output head, MTP, final norm, decoder layers from the last, embedding; `harness.judging.compare.backward_first`), so a
 difference that starts in one layer is named there and not at the word embedding its consequences reach last.
 Beside it the record names the farthest gradient (the largest ULP at tensor scale) and, when it is another
 tensor, the first one in canonical order.  A gradient that is all zero in one trainer and not in the other is
-said so in words (`harness.ulp.scale_words`), not as a ULP count at the scale of zero.
+said so in words (`harness.judging.ulp.scale_words`), not as a ULP count at the scale of zero.
 
 A case states what the comparison must show (`expect`, `first_beyond_bound`, `bug`, per megatron-core
 version); a run that carries more than one upstream bug states each further one with a tensor it puts beyond
@@ -42,12 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainerkit.config import TRAINERS, DumpConfig, RunConfig
 
-from . import trainers
-from .bounds import printable
-from .budget import Deadline
+from ..planning import trainers
+from ..planning.bounds import printable
+from ..planning.budget import Deadline
+from ..planning.expectations import bugs_elsewhere, check_specifiers, entry_for
+from ..running.runner import run_ranks
 from .compare import backward_first
-from .expectations import bugs_elsewhere, check_specifiers, entry_for
-from .runner import run_ranks
 from .trace import Trace, TraceError, merge
 from .ulp import scale_words, tensor_stats, ulp_distance, zero_side
 
@@ -70,7 +70,7 @@ class CrossImplementationSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     variant: Optional[str] = None      # the run to repeat with the other trainer (default: the baseline)
     # the step whose gradients and parameters are dumped and compared: 0, the only step both trainers start
-    # from identical weights (harness.cases refuses others, saying why)
+    # from identical weights (harness.planning.cases refuses others, saying why)
     step: int = Field(0, ge=0)
     max_ulp: int = Field(16, ge=0, le=1 << 30)   # bound on loss ULPs and on gradient ULPs at each tensor's scale
     # both runs in this dtype, whatever the case trains in: in bf16 two correct implementations round
@@ -144,7 +144,7 @@ def _loss_ulps(row: dict) -> list:
 
 def _place(step: int, kind: str, name: str, entry: dict, trainers: tuple[str, str],
            microbatch: Optional[int] = None) -> dict:
-    """A place of the comparison with its distance, in `harness.results.FirstDivergence`'s fields (step, kind,
+    """A place of the comparison with its distance, in `harness.judging.results.FirstDivergence`'s fields (step, kind,
     microbatch, name, ulp) and ``words`` like a layout comparison's first divergence: ``step 0 grad
     decoder.layers.2.mlp.router.weight, 3.3e+05 ULP at tensor scale`` / ``step 0 loss mb 3 mtp_1, 120 ULP``.
     `entry`: a tensor entry (``scaled_ulp``, ``zero_in``, ``max_abs_err``) or ``{"scaled_ulp": loss ULP}``."""
@@ -203,8 +203,8 @@ def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
     gradient beyond the bound in canonical order when that is another tensor (else None); None when nothing is
     beyond.  ``farthest``: the gradient with the largest ULP at tensor scale (a place dict; None without
     gradients).  Each tensor row's ``grad`` / ``param`` entry: ``scaled_ulp`` (`scaled_ulp`), ``zero_in`` (the
-    trainer whose tensor is all zero while the other's is not, `harness.ulp.zero_side`), ``max_abs_err`` and the
-    per-element statistics of `harness.ulp.tensor_stats`."""
+    trainer whose tensor is all zero while the other's is not, `harness.judging.ulp.zero_side`), ``max_abs_err`` and the
+    per-element statistics of `harness.judging.ulp.tensor_stats`."""
     sa = next(s for s in a.steps if s.step == step)
     sb = next(s for s in b.steps if s.step == step)
     rec: dict = {"step": step, "max_ulp": max_ulp, "first_beyond_bound": None}
@@ -298,7 +298,7 @@ def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: floa
     """Run `cfg` (the chosen variant's config) with its own trainer and with the other one, each dumping every
     parameter's gradient and updated value at ``spec.step``, and compare them (`compare`).  Returns the measured
     record (``verdict`` pass / fail / error against the bound alone, ``reason``, per-loss and per-tensor rows,
-    ``headline``); `harness.judge.judge_cross_implementation` judges it against the case's `expectation`."""
+    ``headline``); `harness.judging.judge.judge_cross_implementation` judges it against the case's `expectation`."""
     first, second = cfg.trainer, other_trainer(cfg.trainer)
     cfg = cfg.model_copy(update={"params_dtype": spec.params_dtype})
     base = _base(spec, cfg)

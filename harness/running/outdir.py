@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from .errors import UsageError
+from ..errors import UsageError
 
 MARKER = ".bitparity-report"
 MARKER_TEXT = "bitparity-report/1\n"

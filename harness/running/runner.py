@@ -27,10 +27,11 @@ from typing import Optional
 
 from trainerkit.config import DEFAULT_TRAINER, RunConfig
 
-from . import interrupt, trainers
+from ..planning import trainers
+from . import interrupt
 
 _CTX = mp.get_context("forkserver")
-# the launch entry point of each trainer (`harness.trainers.REGISTRY`): a module with rank_main(...) (forkserver)
+# the launch entry point of each trainer (`harness.planning.trainers.REGISTRY`): a module with rank_main(...) (forkserver)
 # and main() (torchrun -m)
 WORKERS = {name: t.worker for name, t in trainers.REGISTRY.items()}
 #: the forkserver's only preload, which imports the modules `_set_preload` names and skips any that fails: a
@@ -48,7 +49,7 @@ def _set_preload(modules: list[str]) -> None:
 
 
 _set_preload([WORKERS[DEFAULT_TRAINER]])
-# Runs go side by side in threads (harness.pool).  A forkserver child's exit status is read from its sentinel
+# Runs go side by side in threads (harness.running.pool).  A forkserver child's exit status is read from its sentinel
 # once, by whichever poll() comes first, and Process.start() polls *every* child of the process (multiprocessing's
 # _cleanup): two threads polling one child race for those bytes and the loser records 255 (seen as "rank 3 exited
 # with code 0" from fuzz runs two at a time).  So every start / poll / join of a rank process holds this lock;
@@ -87,7 +88,7 @@ def preload(configs) -> None:
     _set_preload(modules)
     # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
     # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
-    # (harness.pool) would be killed when that thread ends, and the next run would find it gone.
+    # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone.
     # With SIGINT blocked, which the new interpreter inherits through fork and exec (multiprocessing's resource
     # tracker is started the same way): a Ctrl-C while it still starts up (site, the preload imports) would
     # end it with "Fatal Python error: init_import_site" and a traceback on the user's terminal (seen under
@@ -220,7 +221,7 @@ def _torchrun_ranks(agent: int) -> dict[int, int]:
 
 def _wait_checking(proc: subprocess.Popen, deadline: float) -> int:
     """`proc`'s exit code, waiting until `deadline` (time.monotonic()) in slices of at most 1 s, so that an
-    interrupt Python swallowed still ends the wait (harness.interrupt).  Raises subprocess.TimeoutExpired."""
+    interrupt Python swallowed still ends the wait (harness.running.interrupt).  Raises subprocess.TimeoutExpired."""
     while True:
         interrupt.check()
         try:

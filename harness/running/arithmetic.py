@@ -48,7 +48,7 @@ def cpu_family() -> str:
     """The CPU's vendor and family ('AuthenticAMD family 25', 'GenuineIntel family 6'), from /proc/cpuinfo;
     'unknown' elsewhere.  Vendors' math libraries take other code paths by vendor (measured: MKL's vector
     square root rounds differently on Intel and AMD under ``MKL_CBWR=COMPATIBLE``), so goldens say on which
-    families they were checked (`harness.golden`)."""
+    families they were checked (`harness.judging.golden`)."""
     fields = _first_cpu()
     if "vendor_id" not in fields:
         return "unknown"
@@ -119,7 +119,7 @@ def arithmetic_facts() -> dict:
 
 def environment() -> dict:
     """Facts that bitwise results depend on (recorded in every manifest and shown in the report): versions,
-    platform, and the machine's arithmetic (`harness.arithmetic.arithmetic_facts`)."""
+    platform, and the machine's arithmetic (`harness.running.arithmetic.arithmetic_facts`)."""
     def version(dist: str) -> str:
         try:
             return metadata.version(dist)
