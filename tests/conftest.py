@@ -7,6 +7,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# the report tests' fixtures (result, html, dsv3), shared by tests/test_report_*.py
+pytest_plugins = ["report_cases"]
+
 
 def run_cli(*args, cwd=ROOT, timeout=600, env=None):
     """Run ``python -m harness ARGS`` (`env`: variables added to this process's environment); returns the

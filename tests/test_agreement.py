@@ -14,7 +14,7 @@ import textwrap
 import pytest
 from conftest import ROOT
 from planted import planted_tree, run_planted
-from test_report import make_result
+from report_cases import make_result
 
 from harness import report
 from harness.judging.agreement import computation_key, groups

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 from conftest import run_cli
-from test_report import FAILING_RUN, make_dsv3_like
+from report_cases import FAILING_RUN, make_dsv3_like
 
 from harness.report import write_report
 from harness.report.chrome_trace import MEASURED_PID
