@@ -276,3 +276,36 @@ def test_gpu_does_not_copy_the_tensor_to_the_host(tmp_path):
     if not copies:
         pytest.skip("the profiler recorded no memcpy events (CUPTI unavailable?)")
     assert all(int(e.get("args", {}).get("bytes", 0)) <= 64 for e in copies), copies
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float64], ids=str)
+def test_shard_partials_on_the_kernels_combine_to_the_whole(dtype, monkeypatch):
+    """`fingerprint_shard.partial_many` sums a shard's whole words on the device (`word_sums`: one table row
+    per run, each with its first word's global index) and only the cut words' bytes come to the host: column
+    splits (one run per row, words cut for 1- and 2-byte dtypes), row splits and flat ranges at odd offsets
+    combine to the whole tensor's fingerprint."""
+    from trainerkit import fingerprint_shard as fs
+    calls = []
+    real = fg.word_sums
+    monkeypatch.setattr(fg, "word_sums", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    t = sample(dtype, (37, 24), seed=5)
+    want = ref(t)
+    tilings = [(1, [0, 7, 13, 24]), (0, [0, 1, 20, 37]), (None, [0, 3, 411, 888])]
+    for dim, cuts in tilings:
+        flat = t.reshape(-1)
+        locs = [flat[a:b] if dim is None else t.narrow(dim, a, b - a).contiguous() for a, b in zip(cuts, cuts[1:])]
+        parts = fs.partial_many(locs, [fs.Shard((37, 24), dim, a) for a in cuts[:-1]])
+        assert fs.combine(parts) == want, (dim, cuts)
+    assert len(calls) == 3 and all(calls), "the whole words must go through the kernel"
+
+
+def test_word_sums_at_a_word_base_match_the_definition():
+    """A piece's terms use its global word indices: word_sums of words at base 10**12 equal the host terms."""
+    words = sample(torch.int64, (300,), seed=6)
+    got = fg.word_sums([words[:100], words[100:]], [10 ** 12, 5], [0, 1], 3)
+    w = words.cpu().numpy().view(np.uint64)
+    with np.errstate(over="ignore"):
+        want0 = int(np.add.reduce(_mix(w[:100] ^ _mix(np.arange(10 ** 12 + 1, 10 ** 12 + 101, dtype=np.uint64))),
+                                  dtype=np.uint64))
+        want1 = int(np.add.reduce(_mix(w[100:] ^ _mix(np.arange(6, 206, dtype=np.uint64))), dtype=np.uint64))
+    assert got == [want0, want1, 0]

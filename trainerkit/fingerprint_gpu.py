@@ -73,7 +73,7 @@ DEFAULT = {"num_warps": 4, "wpt": 8, "nsub": 8, "pack": "reshape", "loop": "dyna
 PACKS = ("reshape", "2d")
 LOOPS = ("static", "dynamic")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_GTAB_COLS = 4           # numel, first item, element offset from the launch's base, slot
+_GTAB_COLS = 5           # numel, first item, element offset from the launch's base, slot, first word's index
 _MAX_DIMS = 4
 
 
@@ -146,9 +146,10 @@ if HAVE_TRITON:
         return lo
 
     @triton.jit
-    def _tail_terms(wp, jj, numel, SUBW: tl.constexpr, ESIZE: tl.constexpr, MIS: tl.constexpr):
+    def _tail_terms(wp, jj, numel, jb, SUBW: tl.constexpr, ESIZE: tl.constexpr, MIS: tl.constexpr):
         """Terms of words jj [SUBW] that reach the tensor's end: words past it count 0, the partial last word keeps
-        only the tensor's bytes, and no load touches an aligned word that holds none of them."""
+        only the tensor's bytes, and no load touches an aligned word that holds none of them (jb: the first
+        word's global index, `word_sums`)."""
         R: tl.constexpr = 8 // ESIZE
         nfull = numel // R
         nwords = (numel + R - 1) // R
@@ -156,13 +157,14 @@ if HAVE_TRITON:
         w = _load_words(wp, jj, m, (jj + 1) * 8 - MIS < numel * ESIZE, MIS, True)
         keep = (tl.full([SUBW], 1, tl.uint64) << ((numel - nfull * R) * 8 * ESIZE).to(tl.uint64)) - 1
         w = tl.where(jj == nfull, w & keep, w)
-        return tl.where(m, _term(w, jj), 0)
+        return tl.where(m, _term(w, jj + jb), 0)
 
     @triton.jit
-    def _words_block(base, off, numel, w0, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
+    def _words_block(base, off, numel, w0, jb, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
                      ALIGN16: tl.constexpr, MIS: tl.constexpr):
         """Sum of the terms of words [w0, w0 + BLOCKW) of a contiguous tensor at element offset `off` from
-        `base` whose data pointer is MIS (0..7) bytes past an 8-byte boundary (ALIGN16: 16-byte aligned)."""
+        `base` whose data pointer is MIS (0..7) bytes past an 8-byte boundary (ALIGN16: 16-byte aligned); its
+        word k has the global index jb + k (0 for a whole tensor)."""
         R: tl.constexpr = 8 // ESIZE
         if ALIGN16:
             off = tl.multiple_of(off, 16 // ESIZE)
@@ -177,13 +179,13 @@ if HAVE_TRITON:
             if ALIGN16:
                 j = tl.multiple_of(j, SUBW)
             if j + SUBW <= nfull:                         # whole words: every load is inside the tensor
-                acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs)
+                acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs + jb)
             elif j < nwords:                              # < SUBW whole words + the partial one
-                acc += _tail_terms(wp, j + woffs, numel, SUBW, ESIZE, MIS)
+                acc += _tail_terms(wp, j + woffs, numel, jb, SUBW, ESIZE, MIS)
         return tl.sum(acc, axis=0)
 
     @triton.jit
-    def _words_block_dyn(base, off, numel, w0, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
+    def _words_block_dyn(base, off, numel, w0, jb, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
                          ALIGN16: tl.constexpr, MIS: tl.constexpr):
         """`_words_block` with the whole-word sub-blocks in a loop of run-time trip count and no branch inside
         (so the compiler can keep several sub-blocks' loads in flight), then at most one masked sub-block: the
@@ -201,26 +203,28 @@ if HAVE_TRITON:
             j = w0 + it * SUBW
             if ALIGN16:
                 j = tl.multiple_of(j, SUBW)
-            acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs)
+            acc += _term(_load_words(wp, j + woffs, 0, 0, MIS, False), j + woffs + jb)
         j = w0 + nsub_full * SUBW
         if j < tl.minimum(w0 + BLOCKW, nwords):           # <= SUBW words left, the last maybe partial
-            acc += _tail_terms(wp, j + woffs, numel, SUBW, ESIZE, MIS)
+            acc += _tail_terms(wp, j + woffs, numel, jb, SUBW, ESIZE, MIS)
         return tl.sum(acc, axis=0)
 
     @triton.jit
     def _contig_kernel(base, items, gtab, sums, BLOCKW: tl.constexpr, SUBW: tl.constexpr, ESIZE: tl.constexpr,
                        ALIGN16: tl.constexpr, MIS: tl.constexpr, DYN: tl.constexpr):
         """One program = BLOCKW words of one tensor.  items[pid] = table row; row = numel, first item of the
-        tensor, element offset from `base`, accumulator slot.  Every tensor of the launch has its data pointer
-        MIS bytes past an 8-byte boundary (ALIGN16: all 16-byte aligned)."""
+        tensor, element offset from `base`, accumulator slot, global index of its first word (0 but for a
+        shard's piece, `word_sums`).  Every tensor of the launch has its data pointer MIS bytes past an 8-byte
+        boundary (ALIGN16: all 16-byte aligned)."""
         pid = tl.program_id(0)
-        row = gtab + tl.load(items + pid) * 4
+        row = gtab + tl.load(items + pid) * 5
         numel = tl.load(row)
         w0 = (pid - tl.load(row + 1)).to(tl.int64) * BLOCKW
+        jb = tl.load(row + 4)
         if DYN:
-            total = _words_block_dyn(base, tl.load(row + 2), numel, w0, BLOCKW, SUBW, ESIZE, ALIGN16, MIS)
+            total = _words_block_dyn(base, tl.load(row + 2), numel, w0, jb, BLOCKW, SUBW, ESIZE, ALIGN16, MIS)
         else:
-            total = _words_block(base, tl.load(row + 2), numel, w0, BLOCKW, SUBW, ESIZE, ALIGN16, MIS)
+            total = _words_block(base, tl.load(row + 2), numel, w0, jb, BLOCKW, SUBW, ESIZE, ALIGN16, MIS)
         # int64 atomic add wraps mod 2^64 exactly like the uint64 sum
         tl.atomic_add(sums + tl.load(row + 3), total.to(tl.int64, bitcast=True), sem="relaxed")
 
@@ -300,7 +304,8 @@ class _Plan:
                 if delta % esize:
                     raise ValueError(f"tensor {j}: data pointer not aligned to its element size")
                 nwords = -(-metas[j]["numel"] * esize // 8)
-                rows.append([metas[j]["numel"], len(items) - item0, delta // esize, j])
+                rows.append([metas[j]["numel"], len(items) - item0, delta // esize, metas[j].get("slot", j),
+                             metas[j].get("wbase", 0)])
                 items.extend([r] * -(-nwords // blockw))
             self.launches.append(("contig", members[0], esize, align, subw, blockw, row0, item0,
                                   len(items) - item0))
@@ -351,13 +356,13 @@ def _cfg(overrides: dict) -> dict:
     return cfg
 
 
-def _plan(tensors: list, cfg: dict) -> "tuple[_Plan, list]":
+def _plan(tensors: list, cfg: dict, pieces: "tuple | None" = None) -> "tuple[_Plan, list]":
     """The plan for tensors on one device, cached by (pointer, dtype, shape, strides) of every tensor - the
     same gradient buffers every step cost one dictionary lookup.  Views with > 4 non-mergeable dims are
     replaced by contiguous copies (returned in the list, which the caller keeps alive until the kernels are
-    done; such plans are not cached)."""
+    done; such plans are not cached).  `pieces` (`word_sums`): (first word's global index, slot) per tensor."""
     key = (tensors[0].device, tuple(sorted(cfg.items())),
-           tuple([(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors]))
+           tuple([(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors]), pieces)
     plan = _PLANS.get(key)
     if plan is not None:
         _PLANS.move_to_end(key)
@@ -368,6 +373,10 @@ def _plan(tensors: list, cfg: dict) -> "tuple[_Plan, list]":
         if m["contig"] is None:
             tensors[j] = t = t.contiguous()
             m, copied = _meta(t), True
+        if pieces is not None:
+            if not m["contig"]:
+                raise ValueError(f"word_sums: piece {j} is not contiguous")
+            m["wbase"], m["slot"] = pieces[j]
         metas.append(m)
     plan = _Plan(metas, tensors[0].device, cfg)
     if not copied:
@@ -377,12 +386,14 @@ def _plan(tensors: list, cfg: dict) -> "tuple[_Plan, list]":
     return plan, tensors
 
 
-def _launch(tensors: list, cfg: dict) -> "tuple[torch.Tensor, _Plan, list]":
+def _launch(tensors: list, cfg: dict, pieces: "tuple | None" = None,
+            nslots: "int | None" = None) -> "tuple[torch.Tensor, _Plan, list]":
     """Launch the kernels for tensors that all live on one device; returns the int64 sums tensor (S of each
-    tensor, filled asynchronously on the current stream), the plan and the tensors actually read."""
-    plan, tensors = _plan(tensors, cfg)
+    tensor, or of each slot's pieces, filled asynchronously on the current stream), the plan and the tensors
+    actually read."""
+    plan, tensors = _plan(tensors, cfg, pieces)
     nw, pack2d = cfg["num_warps"], cfg["pack"] == "2d"
-    sums = torch.zeros(len(tensors), dtype=torch.int64, device=tensors[0].device)
+    sums = torch.zeros(len(tensors) if nslots is None else nslots, dtype=torch.int64, device=tensors[0].device)
     table = plan.table
     items = table[plan.items_at:]
     for launch in plan.launches:
@@ -472,3 +483,26 @@ def fingerprint_hex_device(t: torch.Tensor, **options) -> str:
 def fingerprint_hex_many_device(tensors, **options) -> list[str]:
     """`fingerprint_many` as 16-hex-digit strings."""
     return fingerprint_many_async(tensors, **options).hex()
+
+
+def word_sums(pieces, word_bases, slots, nslots: int, **options) -> list[int]:
+    """Partial sums of fp64v2's S for the pieces of sharded tensors (`trainerkit.fingerprint_shard`): piece k,
+    a contiguous 1-D view whose bytes are whole words of a global tensor, the first at global word index
+    ``word_bases[k]`` (its last word zero-padded only where the global tensor ends), adds
+    ``sum_i mix(w_i ^ mix(word_bases[k] + i + 1))`` to ``slots[k]``; returns the `nslots` sums (ints mod 2^64).
+    All pieces on one device, through the contiguous kernel (one launch per alignment class).
+
+    Raises:
+        TritonUnavailableError: no Triton.  ValueError: a piece is not contiguous or its pointer not aligned to
+            its element size."""
+    if not HAVE_TRITON:
+        raise TritonUnavailableError("word_sums needs Triton (pip install triton)")
+    pieces = [p.detach().reshape(-1) for p in pieces]
+    if not pieces:
+        return [0] * nslots
+    cfg = _cfg(options)
+    key = tuple(zip((int(b) for b in word_bases), (int(s) for s in slots)))
+    device = pieces[0].device
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        sums, _plan_, _keep = _launch(pieces, cfg, key, nslots)
+    return [int(v) for v in sums.cpu().numpy().view(np.uint64).tolist()]

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from trainerkit import names
+from trainerkit import fingerprint_shard, names
 
 RANK_FORMAT = "bitparity-rank-trace/2"
 FORMAT = "bitparity-trace/2"
@@ -151,12 +151,16 @@ def merge(run_dir: Path, world_size: int) -> Trace:
     dense parameters are ``@dp{d}`` replicas (routed experts ``@edp{k}`` on expert-data-parallel rank k), and
     its buffers, grad norm and clip coefficient must equal DP rank 0's like an EP replica's.
 
+    Sharded tensors (TRACE_FORMAT.md "Sharded tensors"): a key that several ranks declare with a ``shard`` has
+    a partial fingerprint record on each; their sum is the whole tensor's fingerprint (`_combine_shards`).
+
     Raises:
         TraceError: a rank trace is missing, truncated or corrupted (a line that is not a trace record, named by
-            file:line), two ranks hold the same key, an EP or DP replica's
+            file:line), two ranks hold the same unsharded key, a sharded key's partials do not tile it, an EP or DP replica's
             records differ from EP / DP rank 0's, or the ranks disagree on the number of steps.
     """
     params, owner, init, steps = {}, {}, {}, {}
+    partials: dict = {}         # (step | "init", part, key) -> a sharded tensor's partial records, all ranks
     ep_size = dp_size = 1
     for rank in range(world_size):
         records = _read(run_dir / f"rank{rank}.jsonl")
@@ -168,16 +172,22 @@ def merge(run_dir: Path, world_size: int) -> Trace:
         replica = own_data or header.get("ep_rank", 0) > 0
         for meta in header["params"]:
             key = meta["key"]
-            if key in params:
+            shard = meta.get("shard")
+            if key in params and not (shard and "shards" in params[key]):
                 raise TraceError(f"parameter {key} is held by ranks {owner[key]} and {rank}")
-            params[key], owner[key] = {**meta, "rank": rank}, rank
+            if key not in params:
+                params[key] = {**{k: v for k, v in meta.items() if k != "shard"}, "rank": rank}
+                params[key].update({"shards": []} if shard else {})
+                owner[key] = rank
+            if shard:
+                params[key]["shards"].append({**shard, "rank": rank})
         for rec in records[1:-1]:
             if rec["type"] == "init":
-                init.update(rec["params"])
+                _take(init, rec["params"], partials, ("init", "params"))
                 continue
             st = steps.setdefault(rec["step"], StepTrace(step=rec["step"]))
             for part in ("grads", "params"):
-                getattr(st, part).update(rec[part])
+                _take(getattr(st, part), rec[part], partials, (rec["step"], part))
             if replica:
                 step = rec["step"]
                 for part, what in (("buffers", "buffer"), ("activations", "activation"), ("boundaries", "boundary"),
@@ -208,6 +218,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
     counts = {len(st.time_s) for st in steps.values()}
     if counts and counts != {world_size}:
         raise TraceError(f"ranks disagree on the number of steps in {run_dir}")
+    _combine_shards(partials, params, init, steps)
     order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
     for st in steps.values():       # canonical router order (by the router weight's key), whatever the layout
         st.losses = sorted(st.losses, key=lambda x: x.get("microbatch", 0))
@@ -216,6 +227,38 @@ def merge(run_dir: Path, world_size: int) -> Trace:
     return Trace(format=FORMAT, params=params, order=order, init=init,
                  steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size,
                  data_parallel_size=dp_size)
+
+
+def _take(into: dict, fingerprints: dict, partials: dict, where: tuple) -> None:
+    """A record's ``{key: fingerprint}`` into `into`; a sharded tensor's partial records (dicts) are kept in
+    `partials` until every rank is read."""
+    for key, v in fingerprints.items():
+        if isinstance(v, dict):
+            partials.setdefault(where + (key,), []).append(v)
+        else:
+            into[key] = v
+
+
+def _combine_shards(partials: dict, params: dict, init: dict, steps: dict) -> None:
+    """Each sharded tensor's fingerprint from its ranks' partial records (`trainerkit.fingerprint_shard`,
+    TRACE_FORMAT.md "Sharded tensors"): the same fingerprint as the whole tensor's.
+
+    Raises:
+        TraceError: the partials do not tile the tensor (a shard missing, held twice, outside the tensor), or
+            a rank holds fewer shards than the header says, naming step, part, key and ranks."""
+    for (step, part, key), recs in partials.items():
+        where = f"{'init' if step == 'init' else f'step {step}'} {part} {key}"
+        meta = params.get(key)
+        if meta is None or "shards" not in meta:
+            raise TraceError(f"{where}: a partial fingerprint for a parameter no rank declared sharded")
+        if len(recs) != len(meta["shards"]):
+            raise TraceError(f"{where}: {len(recs)} partial fingerprints for the {len(meta['shards'])} shards "
+                             f"of ranks {[s['rank'] for s in meta['shards']]}")
+        try:
+            value = fingerprint_shard.fingerprint_of(recs)
+        except fingerprint_shard.ShardError as e:
+            raise TraceError(f"{where} (ranks {[s['rank'] for s in meta['shards']]}): {e}") from None
+        (init if step == "init" else getattr(steps[step], part))[key] = value
 
 
 def check_losses(trace: Trace, num_microbatches: int, mtp_num_layers: int) -> None:
