@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import textwrap
 import types
 
 import torch
@@ -312,6 +313,31 @@ def _cpu_plumbing() -> None:
     exec(compile(source.replace("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"), inspect.getsourcefile(clip),
                  "exec"), vars(clip_grads), namespace)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = namespace[clip.__name__]
+
+
+def recompile(cls, name: str, replacements, module) -> None:
+    """Replace method `name` of megatron's `cls` by the same method compiled from megatron's own source with
+    `replacements` ((old, new) text pairs) applied, in `module`'s globals (where it was defined): the compat
+    points that only rename a CUDA type (B1, D1).  A classmethod stays one; the zero-argument ``super()`` of
+    the recompiled body names `cls` (its ``__class__`` cell)."""
+    original = cls.__dict__[name]
+    is_classmethod = isinstance(original, classmethod)
+    fn = original.__func__ if is_classmethod else original
+    source = textwrap.dedent(_source(fn))
+    for old, new in replacements:
+        source = source.replace(old, new)
+    # compiled inside a class body, so that a zero-argument super() gets its __class__ cell
+    namespace: dict = {}
+    exec(compile("class _Recompiled:\n" + textwrap.indent(source, "    "), inspect.getsourcefile(fn), "exec"),
+         vars(module), namespace)
+    new_fn = namespace["_Recompiled"].__dict__[name]
+    new_fn = new_fn.__func__ if isinstance(new_fn, classmethod) else new_fn
+    closure = tuple(types.CellType(cls) if var == "__class__" else cell
+                    for var, cell in zip(new_fn.__code__.co_freevars, new_fn.__closure__ or ()))
+    rebuilt = functools.wraps(fn)(types.FunctionType(new_fn.__code__, new_fn.__globals__, name,
+                                                     new_fn.__defaults__, closure))
+    rebuilt.__kwdefaults__ = new_fn.__kwdefaults__
+    setattr(cls, name, classmethod(rebuilt) if is_classmethod else rebuilt)
 
 
 class _NoInstances:

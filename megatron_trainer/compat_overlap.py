@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import textwrap
-import types
 
 import torch
 
@@ -98,8 +96,9 @@ def apply() -> tuple:
     return tuple(applied)
 
 
-_CUDA_TYPES = (("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", "['torch.HalfTensor', 'torch.BFloat16Tensor']"),
-               ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'"))
+#: the CUDA tensor type names megatron's optimizers sort parameters by, and the CPU names they stand for (B1, D1)
+CUDA_TYPES = (("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", "['torch.HalfTensor', 'torch.BFloat16Tensor']"),
+              ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'"))
 
 
 def apply_bf16() -> tuple:
@@ -111,23 +110,11 @@ def apply_bf16() -> tuple:
     from megatron.core.optimizer import optimizer as mopt
 
     cls = mopt.Float16OptimizerWithFloat16Params
-    init = cls.__init__
-    source = textwrap.dedent(compat._source(init))
-    if not compat._needed(_CUDA_TYPES[0][0] in source, "B1",
+    source = textwrap.dedent(compat._source(cls.__init__))
+    if not compat._needed(CUDA_TYPES[0][0] in source, "B1",
                           "Float16OptimizerWithFloat16Params no longer checks CUDA type names"):
         return ()
-    compat._require(all(source.count(cuda) == 1 for cuda, _ in _CUDA_TYPES) and "super().__init__" in source, "B1",
+    compat._require(all(source.count(cuda) == 1 for cuda, _ in CUDA_TYPES) and "super().__init__" in source, "B1",
                     "Float16OptimizerWithFloat16Params.__init__ no longer checks each type name once")
-    for cuda, cpu in _CUDA_TYPES:
-        source = source.replace(cuda, cpu)
-    # compiled inside a class body, so that the zero-argument super() gets its __class__ cell; the cell then
-    # names the real class
-    namespace: dict = {}
-    exec(compile("class _Recompiled:\n" + textwrap.indent(source, "    "), inspect.getsourcefile(init), "exec"),
-         vars(mopt), namespace)
-    fn = namespace["_Recompiled"].__dict__["__init__"]
-    closure = tuple(types.CellType(cls) if name == "__class__" else cell
-                    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()))
-    cls.__init__ = functools.wraps(init)(types.FunctionType(fn.__code__, fn.__globals__, "__init__",
-                                                            fn.__defaults__, closure))
+    compat.recompile(cls, "__init__", CUDA_TYPES, mopt)
     return ("B1",)

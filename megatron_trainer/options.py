@@ -46,8 +46,7 @@ UNSUPPORTED = {
     "gradient_accumulation_fusion": "needs APEX / Transformer Engine's fused wgrad kernels",
     "enable_cuda_graph": "CUDA graphs need CUDA", "cuda_graph_impl": "CUDA graphs need CUDA",
     "moe_token_dispatcher_type": "the trainer runs the alltoall dispatcher (flex needs DeepEP; allgather untried)",
-    "context_parallel_size": "bitparity runs CP = 1", "optimizer_cpu_offload": "needs the distributed optimizer",
-    "num_distributed_optimizer_instances": "needs the distributed optimizer",
+    "context_parallel_size": "bitparity runs CP = 1", "optimizer_cpu_offload": "megatron's HybridDeviceOptimizer moves GPU state to the host (untried)",
     "microbatch_group_size_per_vp_stage": "the interleaved schedule's grouping is megatron's default (P)",
     "check_for_nan_in_grad": "megatron then stops the rank at a NaN gradient; bitparity checks finiteness itself "
                              "(a run that is not finite fails, `expect: not_finite` states a bug caught so)",
@@ -72,7 +71,6 @@ _DERIVED = {
     "pipeline_dtype": "the case's params_dtype", "kv_channels": "model.v_head_dim",
     "perform_initialization": "bitparity initialises every parameter by its global name (trainerkit.init)",
     "use_cpu_initialization": "bitparity initialises every parameter by its global name (trainerkit.init)",
-    "use_distributed_optimizer": "not supported: the trainer reads the plain optimizer's master weights",
     "optimizer": "bitparity trains with Adam (both trainers)",
     "num_microbatches": "training.num_microbatches", "seed": "training.seed",
 }

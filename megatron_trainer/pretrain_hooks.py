@@ -35,6 +35,7 @@ from trainerkit import names
 from trainerkit.capture import RankCapture, microbatch_losses, scalar
 from trainerkit.init import init_parameters
 
+from . import optimizer_view
 from . import train as megatron_train
 from .model import expert_biases, global_parameters
 
@@ -127,7 +128,7 @@ class _Capture:
         params = global_parameters(chunks, args.num_experts // ep if args.num_experts else 0,
                                    ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank(),
                                    ps.get_expert_data_parallel_rank(), strict=False)
-        masters, decay = megatron_train.optimizer_view(optimizer, params)
+        masters, decay = optimizer_view.optimizer_view(optimizer, params)
         if self.init_seed is not None:
             _reinitialise(params, masters, args, self.init_seed)
         self.params = params

@@ -16,7 +16,7 @@ case's data and reads what it computed:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -28,11 +28,13 @@ from trainerkit import names
 from trainerkit.capture import RankCapture, dump_tensors, float64_scalar, microbatch_losses, param_entry, scalar
 from trainerkit.config import RunConfig
 from trainerkit.data import TokenDataset
+from trainerkit.fingerprint_shard import Shard
 from trainerkit.init import init_parameters
 
 from . import compat, faults, options
 from .coverage import OverlapCounter
 from .model import build_chunks, embedding_ranks, expert_biases, global_parameters, transformer_config
+from .optimizer_view import optimizer_view, owned_ranges
 
 
 class LossRecorder:
@@ -130,7 +132,10 @@ def _forward_step(recorder: LossRecorder, data_iterator, model, return_schedule_
 class MegatronRank:
     """One rank's megatron objects and their bookkeeping: ``chunks`` (GPTModel per virtual stage), ``model``
     (their DDP wrappers), ``optimizer`` / ``scheduler``, ``params`` under global names with their trace
-    ``keys``, ``masters`` ({id(param): fp32 master} in bf16), ``decay`` ({id(param): weight decay on})."""
+    ``keys`` (the traced ones: under the distributed optimizer those this DP rank owns a range of),
+    ``masters`` ({id(param): what the optimizer steps}, `optimizer_view.master_params`), ``decay`` ({id(param):
+    weight decay on}), ``ranges`` ({id(param): `optimizer_view.OwnedRange`}; empty without the distributed
+    optimizer)."""
 
     config: object
     chunks: list
@@ -141,16 +146,32 @@ class MegatronRank:
     keys: list
     masters: dict
     decay: dict
+    ranges: dict
 
     def values(self) -> list:
-        """What the optimizer updates, per parameter: the fp32 master in bf16, the parameter itself in fp32."""
+        """What the optimizer updates, per traced parameter: the fp32 master in bf16, the parameter itself in
+        fp32, this rank's fp32 shard under the distributed optimizer."""
         return [self.masters.get(id(gp.param), gp.param) for gp in self.params]
+
+    def grads(self) -> list:
+        """The gradients the optimizer steps with, per traced parameter: ``main_grad`` after
+        ``finalize_model_grads``; under the distributed optimizer only this rank's range of it is reduced (the
+        reduce-scatter), so only that range, flat."""
+        return [self.ranges[id(gp.param)].of(gp.param.main_grad) if self.ranges else gp.param.main_grad
+                for gp in self.params]
+
+    def shards(self) -> list:
+        """Where each traced tensor sits in its parameter (`Shard`, flat ranges), or None per parameter without
+        the distributed optimizer."""
+        return [Shard(tuple(gp.param.shape), None, self.ranges[id(gp.param)].start) if self.ranges else None
+                for gp in self.params]
 
 
 def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     """Megatron's parallel state (TP = 1, P and V from the layout, Megatron-LM's embedding group), the model
     chunks re-initialised by global name, DDP (fp32 grad buffers: ``main_grad``), ``get_megatron_optimizer``
-    (Adam) and an ``OptimizerParamScheduler`` at constant lr and weight decay."""
+    (Adam; megatron's distributed optimizer with ``use_distributed_optimizer``) and an
+    ``OptimizerParamScheduler`` at constant lr and weight decay."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -160,6 +181,10 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     ps.initialize_model_parallel(1, par.pipeline_model_parallel_size,
                                  virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
                                  expert_model_parallel_size=par.expert_model_parallel_size,
+                                 # the distributed optimizer's instances split the DP group (partial DP
+                                 # groups for the reduce-scatter, an all-reduce across instances)
+                                 num_distributed_optimizer_instances=cfg.megatron.get(
+                                     "num_distributed_optimizer_instances", 1),
                                  get_embedding_ranks=faults.embedding_ranks(cfg.inject, embedding_ranks(config)
                                                                             if options.loop(cfg)["get_embedding_ranks"]
                                                                             == "pretrain_gpt" else None))
@@ -196,25 +221,35 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     config.finalize_model_grads_func = faults.finalize(cfg.inject, finalize_model_grads)
     config.grad_scale_func = optimizer.scale_loss
     masters, decay = optimizer_view(optimizer, params)
+    ranges = owned_ranges(optimizer)
+    if ranges:
+        params = [replace(gp, replica=_instance_replica(gp, ranges[id(gp.param)].group_size))
+                  for gp in params if id(gp.param) in ranges]
+    keys = [names.replica_key(gp.name, gp.replica) for gp in params]
     return MegatronRank(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
-                        params=params, keys=[names.replica_key(gp.name, gp.replica) for gp in params],
-                        masters=masters, decay=decay)
+                        params=params, keys=keys, masters=masters, decay=decay, ranges=ranges)
 
 
-def optimizer_view(optimizer, params: list) -> tuple[dict, dict]:
-    """What megatron's optimizer does with each of `params` (GlobalParam): ({id(param): fp32 master} in bf16,
-    `master_params`; {id(param): weight decay on}, from the group of what it updates, `weight_decay_groups`; a
-    parameter no group holds, frozen in a user's model, is not decayed)."""
-    masters = master_params(optimizer)
-    decay = weight_decay_groups(optimizer)          # keyed by what the optimizer updates: the master in bf16
-    return masters, {id(gp.param): decay.get(id(masters.get(id(gp.param), gp.param)), False) for gp in params}
+def _instance_replica(gp, group_size: int) -> str | None:
+    """The replica tag of a distributed-optimizer rank's range of `gp`: each DP rank steps (and traces) its own
+    range under the key of the copy its optimizer instance holds, and the merge adds the ranges' partial
+    fingerprints up to that copy's.  One instance (megatron's default): the parameter's own key, no @dp / @edp
+    replica (no rank holds a whole copy).  With ``num_distributed_optimizer_instances`` > 1 each instance holds a
+    whole copy: the one whose first DP (expert: expert-DP) rank is d is tagged ``dp{d}`` (``edp{d}``) like plain
+    DDP's replicas, and the harness checks the instances stay equal."""
+    from megatron.core import parallel_state as ps
+    expert = names.expert_id(gp.name) is not None
+    rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()
+    return names.ep_replica(names.base_replica(gp.replica), rank // group_size * group_size, "edp" if expert else "dp")
 
 
-def rank_fields(chunks: list, params: list, keys: list, decay: dict, strict: bool = True) -> dict:
+def rank_fields(chunks: list, params: list, keys: list, decay: dict, strict: bool = True,
+                shards: list | None = None) -> dict:
     """The trace header's identity fields of this rank (TRACE_FORMAT.md), from megatron's parallel state: global
     rank and world size, pp / ep / dp ranks and sizes, the flat stages its `chunks` hold (vp * P + pp rank), and
     ``params`` (`param_entry` of each GlobalParam under its trace key; `decay`: {id(param): weight decay on};
-    `strict`: names must be DeepSeek-V3's, `trainerkit.names`)."""
+    `strict`: names must be DeepSeek-V3's, `trainerkit.names`; `shards`: a `Shard` or None per parameter, the
+    part of it this rank traces)."""
     from megatron.core import parallel_state as ps
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "pp_rank": pp_rank,
@@ -222,15 +257,16 @@ def rank_fields(chunks: list, params: list, keys: list, decay: dict, strict: boo
             "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
             "dp_rank": ps.get_data_parallel_rank(), "data_parallel_size": ps.get_data_parallel_world_size(),
             "stages": [vp * pp + pp_rank for vp in range(len(chunks))],
-            "params": [param_entry(k, gp.name, gp.replica, gp.param, decay[id(gp.param)], strict=strict)
-                       for k, gp in zip(keys, params)]}
+            "params": [param_entry(k, gp.name, gp.replica, gp.param, decay[id(gp.param)], strict=strict, shard=shard)
+                       for k, gp, shard in zip(keys, params, shards or [None] * len(params))]}
 
 
 def header(cfg: RunConfig, device: torch.device, r: MegatronRank, setup_s: float) -> dict:
     """The trace header's fields (TRACE_FORMAT.md; `trainerkit.capture.RankCapture`) of this rank."""
     import megatron.core
 
-    return {**rank_fields(r.chunks, r.params, r.keys, r.decay), "reductions": "megatron", "device": str(device),
+    return {**rank_fields(r.chunks, r.params, r.keys, r.decay, shards=r.shards()), "reductions": "megatron",
+            "device": str(device),
             "params_dtype": cfg.params_dtype,
             "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
             "setup_s": setup_s,
@@ -282,10 +318,11 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
                          data_iterator=iterators if len(iterators) > 1 else iterators[0], model=r.model,
                          num_microbatches=t.num_microbatches, seq_length=t.seq_length,
                          micro_batch_size=t.micro_batch_size, forward_only=False)
-        main_grads = [gp.param.main_grad for gp in r.params]
+        main_grads = r.grads()
         capture.grads(main_grads)
         dumping = cfg.dump is not None and cfg.dump.step == step
-        dump = dump_tensors(cfg.dump, zip(r.keys, main_grads), "grad") if dumping else {}
+        shards = r.shards()
+        dump = dump_tensors(cfg.dump, zip(r.keys, main_grads), "grad", shards) if dumping else {}
         ok, norm, _ = r.optimizer.step()
         if not ok:
             raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (inf/nan in the gradients)")
@@ -295,7 +332,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
         values = r.values()
         capture.params(values)
         if dumping:
-            dump.update(dump_tensors(cfg.dump, zip(r.keys, values), "param"))
+            dump.update(dump_tensors(cfg.dump, zip(r.keys, values), "param", shards))
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         capture.buffers(buffers)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -321,20 +358,3 @@ def _embedding_ranks():
     from megatron.core import parallel_state as ps
     ranks = getattr(ps, "_EMBEDDING_GLOBAL_RANKS", None)
     return list(ranks) if ranks is not None else None
-
-
-def master_params(optimizer) -> dict:
-    """{id(model param): fp32 master copy} of megatron's mixed-precision optimizer (bf16 runs); empty for fp32,
-    where the optimizer updates the model parameters themselves."""
-    out = {}
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for model_group, main_group in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
-            for p, main in zip(model_group, main_group):
-                out[id(p)] = main
-    return out
-
-
-def weight_decay_groups(optimizer) -> dict:
-    """{id(param): whether megatron's optimizer decays it}: the weight decay its parameter group actually applies
-    (set by the OptimizerParamScheduler from the group's wd_mult)."""
-    return {id(p): group["weight_decay"] > 0 for group in optimizer.param_groups for p in group["params"]}

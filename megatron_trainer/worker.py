@@ -65,9 +65,10 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
     points = compat.apply(device.type)
     par = cfg.parallel
     if device.type == "cpu":
-        from . import compat_overlap
+        from . import compat_distopt, compat_overlap
         points += (compat_overlap.apply() if compat_overlap.needed(par) else ()) + (
-            compat_overlap.apply_bf16() if cfg.params_dtype == "bfloat16" else ())
+            compat_overlap.apply_bf16() if cfg.params_dtype == "bfloat16" else ()) + (
+            compat_distopt.apply() if compat_distopt.needed(cfg.megatron) else ())
     store = dist.FileStore(store_path, world_size) if store_path else None   # None: env:// (torchrun)
     kwargs = {"store": store} if store is not None else {}
     dist.init_process_group(backend, rank=rank, world_size=world_size,

@@ -13,8 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trainerkit.capture import dump_tensors, read_dumps
+from trainerkit.config import DumpConfig
 from trainerkit.fingerprint import fingerprint
-from trainerkit.fingerprint_shard import Shard, ShardError, combine, fingerprint_of, partial, partial_many
+from trainerkit.fingerprint_shard import Shard, ShardError, assemble, combine, fingerprint_of, partial, partial_many
 
 pytestmark = pytest.mark.arithmetic_free      # bits hashed, no floating-point result judged
 
@@ -56,6 +58,41 @@ def test_partials_of_any_tiling_combine_to_the_whole_fingerprint(case):
     parts = partial_many([loc for loc, _ in shards], [s for _, s in shards])
     parts = json.loads(json.dumps(parts))          # as a trace carries them
     assert combine(parts) == fingerprint(t)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tilings())
+def test_shards_assemble_to_the_whole_tensor_bit_for_bit(case):
+    t, shards = case
+    whole = assemble(shards)
+    assert whole.dtype == t.dtype and whole.shape == t.shape
+    assert torch.equal(whole.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else whole,
+                       t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t)
+
+
+def test_assemble_refuses_shards_that_do_not_tile():
+    t = _random(torch.float32, (4, 3), 1)
+    with pytest.raises(ShardError, match="element 3 .flat. held by no shard"):
+        assemble([(t.reshape(-1)[:3], Shard((4, 3), None, 0)), (t.reshape(-1)[6:], Shard((4, 3), None, 6))])
+    with pytest.raises(ShardError, match="held by two shards"):
+        assemble([(t[:3], Shard((4, 3), 0, 0)), (t[2:], Shard((4, 3), 0, 2))])
+
+
+def test_sharded_dumps_are_read_back_whole(tmp_path):
+    """Each rank dumps its shard (flat range or slice) under a name that says where it sits; `read_dumps` puts the
+    ranks' files together; a key whose shards do not tile (a rank's dump cut by max_bytes) is left out."""
+    from safetensors.torch import save_file
+    a, b = _random(torch.float32, (5, 6), 2), _random(torch.bfloat16, (4, 7), 3)
+    dump = DumpConfig(step=0, keys=["*"])
+    ranks = [[("a", a.reshape(-1)[:13], Shard((5, 6), None, 0)), ("b", b[:, :3], Shard((4, 7), 1, 0)),
+              ("c", a, None)],
+             [("a", a.reshape(-1)[13:], Shard((5, 6), None, 13)), ("b", b[:, 3:6], Shard((4, 7), 1, 3))]]
+    for r, items in enumerate(ranks):
+        out = dump_tensors(dump, [(k, x) for k, x, _ in items], "grad", [s for _, _, s in items])
+        save_file(out, str(tmp_path / f"rank{r}.dump.safetensors"))
+    got = read_dumps(tmp_path, {"a": [5, 6], "b": [4, 7], "c": [5, 6]})
+    assert set(got) == {"grad/a", "grad/c"}            # b's column 6 is in no rank's dump
+    assert torch.equal(got["grad/a"], a) and torch.equal(got["grad/c"], a)
 
 
 def test_word_cuts_are_carried_as_edges():

@@ -37,6 +37,7 @@ import torch
 
 from . import names
 from .fingerprint import PendingHex, fingerprint_hex_many_async, float_bits_hex
+from .fingerprint_shard import Shard, partial_many
 
 FORMAT = "bitparity-rank-trace/2"
 
@@ -52,14 +53,22 @@ def float64_scalar(x: float) -> dict:
 
 
 def param_entry(key: str, name: str, replica: Optional[str], tensor: torch.Tensor, weight_decay: bool,
-                strict: bool = True) -> dict:
+                strict: bool = True, shard: Optional[Shard] = None) -> dict:
     """The header's description of one parameter: {key, name, replica, shape, dtype, family, weight_decay,
     order} (TRACE_FORMAT.md).  `strict`: the name must be one of DeepSeek-V3's parameters as bitparity's trainers
     build them (`trainerkit.names`, raises ValueError otherwise); not strict (a user's own model in megatron's
-    training loop), any name gets a family and a canonical place (`names.family`, `names.order_key`)."""
-    return {"key": key, "name": name, "replica": replica, "shape": list(tensor.shape),
-            "dtype": str(tensor.dtype).replace("torch.", ""), "family": names.family(name, strict=strict),
-            "weight_decay": weight_decay, "order": list(names.order_key(name, strict=strict))}
+    training loop), any name gets a family and a canonical place (`names.family`, `names.order_key`).
+    `shard`: this rank holds only that part of the parameter (`trainerkit.fingerprint_shard.Shard`; the
+    distributed optimizer's range, a tensor-parallel slice): ``shape`` is then the global shape and the entry
+    gets ``shard: {dim, offset}``, and `RankCapture` writes partial records for the key (TRACE_FORMAT.md
+    "Sharded tensors")."""
+    entry = {"key": key, "name": name, "replica": replica,
+             "shape": list(shard.global_shape if shard is not None else tensor.shape),
+             "dtype": str(tensor.dtype).replace("torch.", ""), "family": names.family(name, strict=strict),
+             "weight_decay": weight_decay, "order": list(names.order_key(name, strict=strict))}
+    if shard is not None:
+        entry["shard"] = {"dim": shard.dim, "offset": int(shard.offset)}
+    return entry
 
 
 def microbatch_losses(lm: list, mtp: list, mtp_num_layers: int, dp_size: int = 1, dp_rank: int = 0) -> list:
@@ -188,7 +197,9 @@ class RankCapture:
             cap.end_step(time_s)                 # queued; fingerprints resolve in the writer thread
         cap.close()                              # the end record; waits for the thread
 
-    `keys` (the header's params' keys, in order) name the tensors of `initial`, `grads` and `params`.
+    `keys` (the header's params' keys, in order) name the tensors of `initial`, `grads` and `params`; for a key
+    the header declares with a ``shard`` (`param_entry`) the tensor is this rank's part, written as a partial
+    record (`trainerkit.fingerprint_shard.partial_many`, computed in the caller's thread).
     `fingerprints=False` (``RunConfig.capture == "losses"``): the step records carry no fingerprints.
 
     Raises:
@@ -199,6 +210,8 @@ class RankCapture:
     def __init__(self, path: Path, header: dict, fingerprints: bool = True):
         self.path = Path(path)
         self.keys = [p["key"] for p in header.get("params", [])]
+        self._shards = {i: Shard(tuple(p["shape"]), p["shard"]["dim"], p["shard"]["offset"])
+                        for i, p in enumerate(header.get("params", [])) if "shard" in p}
         self._fingerprints = fingerprints
         self._writer = TraceWriter(self.path)
         self._queue: queue.Queue = queue.Queue()
@@ -241,7 +254,7 @@ class RankCapture:
     def buffers(self, named: dict) -> None:
         """Fingerprint named buffers after their update ({global name: tensor}, e.g. the routers' expert_bias)."""
         self._step_record()
-        self._pending["buffers"] = (list(named), fingerprint_hex_many_async(list(named.values()))) if named else {}
+        self._pending["buffers"] = (list(named), fingerprint_hex_many_async(list(named.values())), {}) if named else {}
 
     @_timed
     def set(self, **fields) -> None:
@@ -277,7 +290,13 @@ class RankCapture:
             return {}
         if len(tensors) != len(self.keys):
             raise ValueError(f"{len(tensors)} tensors for the header's {len(self.keys)} parameters")
-        return self.keys, fingerprint_hex_many_async(list(tensors))
+        if not self._shards:
+            return self.keys, fingerprint_hex_many_async(list(tensors)), {}
+        whole = [i for i in range(len(tensors)) if i not in self._shards]
+        sharded = list(self._shards)
+        partials = dict(zip((self.keys[i] for i in sharded),
+                            partial_many([tensors[i] for i in sharded], [self._shards[i] for i in sharded])))
+        return [self.keys[i] for i in whole], fingerprint_hex_many_async([tensors[i] for i in whole]), partials
 
     def _step_record(self) -> dict:
         self._check()
@@ -313,22 +332,58 @@ class RankCapture:
 
 
 def _resolved(started) -> dict:
-    """{key: hex} from `_start`'s (keys, PendingHex), waiting for device fingerprints; {} as is."""
+    """{key: hex or partial record} from `_start`'s (keys, PendingHex, partials), waiting for device
+    fingerprints; {} as is."""
     if not started:
         return {}
-    keys, pending = started
+    keys, pending, partials = started
     assert isinstance(pending, PendingHex)
-    return dict(zip(keys, pending.hex()))
+    return {**dict(zip(keys, pending.hex())), **partials}
 
 
-def dump_tensors(dump, items: Iterable, prefix: str) -> dict:
+def dump_tensors(dump, items: Iterable, prefix: str, shards: Optional[list] = None) -> dict:
     """{prefix/key: CPU copy} of the (key, tensor) `items` that `dump` (a ``RunConfig.dump``: ``wants(key)``,
     ``max_bytes``) asks for, in order, until ``max_bytes`` would be exceeded: one rank's share of
-    ``rank{r}.dump.safetensors`` (``grad/<key>``, ``param/<key>``; TRACE_FORMAT.md)."""
+    ``rank{r}.dump.safetensors`` (``grad/<key>``, ``param/<key>``; TRACE_FORMAT.md).  `shards`: a
+    `trainerkit.fingerprint_shard.Shard` or None per item; a sharded item is this rank's part, stored as
+    ``prefix/key#offset`` (flat range) or ``prefix/key#d<dim>:<offset>`` (slice), which `read_dumps` puts
+    together."""
     out, used = {}, 0
-    for key, t in items:
+    for (key, t), shard in zip(items, shards if shards is not None else [None] * 2 ** 62):
         size = t.numel() * t.element_size()
         if dump.wants(key) and used + size <= dump.max_bytes:
-            out[f"{prefix}/{key}"] = t.detach().cpu().clone().contiguous()
+            name = f"{prefix}/{key}" if shard is None else \
+                f"{prefix}/{key}#{shard.offset}" if shard.dim is None else f"{prefix}/{key}#d{shard.dim}:{shard.offset}"
+            out[name] = t.detach().cpu().clone().contiguous()
             used += size
     return out
+
+
+def read_dumps(run_dir: Path, shapes: dict) -> dict:
+    """{``grad/<key>`` | ``param/<key>``: tensor} of every ``rank*.dump.safetensors`` in `run_dir`, the shards
+    of a sharded run (`dump_tensors`) put together into the whole tensor of its key's global shape (`shapes`:
+    {key: shape}, the trace's params).  A key whose shards do not tile it (a rank's dump cut by ``max_bytes``)
+    is left out.
+
+    Raises:
+        KeyError: a sharded key that `shapes` lacks."""
+    from safetensors.torch import load_file
+
+    from .fingerprint_shard import Shard, ShardError, assemble
+    whole, pieces = {}, {}
+    for f in sorted(Path(run_dir).glob("rank*.dump.safetensors")):
+        for name, t in load_file(str(f)).items():
+            base, _, where = name.partition("#")
+            if not where:
+                whole[name] = t
+                continue
+            dim, _, offset = where[1:].partition(":") if where.startswith("d") else (None, "", where)
+            key = base.split("/", 1)[1]
+            pieces.setdefault(base, []).append(
+                (t, Shard(tuple(shapes[key]), None if dim is None else int(dim), int(offset))))
+    for base, parts in pieces.items():
+        try:
+            whole[base] = assemble(parts)
+        except ShardError:
+            continue
+    return whole

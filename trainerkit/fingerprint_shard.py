@@ -264,6 +264,38 @@ def _check_tiling(starts: np.ndarray, counts: np.ndarray, numel: int, shape: tup
         raise ShardError(f"tensor {list(shape)}: element {covered} (flat) held by no shard")
 
 
+def place(whole: torch.Tensor, local: torch.Tensor, shard: Shard) -> None:
+    """Copy `local`, the part `shard` of `whole` (contiguous, of shape ``shard.global_shape``), into `whole`.
+
+    Raises:
+        ShardError: `local` does not fit `shard`."""
+    starts, counts = _runs(tuple(shard.global_shape), shard.dim, int(shard.offset), _local_size(local, shard))
+    flat, src, at = whole.view(-1), local.detach().reshape(-1).to(whole.dtype), 0
+    for s, c in zip(starts.tolist(), counts.tolist()):
+        flat[s:s + c] = src[at:at + c]
+        at += c
+
+
+def assemble(pieces: list[tuple[torch.Tensor, Shard]]) -> torch.Tensor:
+    """The global tensor put together from its shards ``(local, shard)`` (all of one global shape and dtype):
+    the dump of a sharded run (`trainerkit.capture.dump_tensors`) read back whole.
+
+    Raises:
+        ShardError: no pieces, or pieces that do not tile the tensor exactly (naming the first element)."""
+    if not pieces:
+        raise ShardError("no shards to assemble")
+    shape = tuple(pieces[0][1].global_shape)
+    whole = torch.empty(shape, dtype=pieces[0][0].dtype)
+    starts, counts = [], []
+    for local, shard in pieces:
+        s, c = _runs(shape, shard.dim, int(shard.offset), _local_size(local, shard))
+        starts.append(s)
+        counts.append(c)
+        place(whole, local, shard)
+    _check_tiling(np.concatenate(starts), np.concatenate(counts), whole.numel(), shape)
+    return whole
+
+
 def fingerprint_of(partials: list[dict]) -> str:
     """`combine` as 16 hex digits (the trace's form)."""
     return f"{combine(partials):016x}"

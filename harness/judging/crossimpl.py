@@ -40,6 +40,7 @@ from typing import Callable, Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from trainerkit.capture import read_dumps
 from trainerkit.config import TRAINERS, DumpConfig, RunConfig
 
 from ..planning import trainers
@@ -185,12 +186,8 @@ def _run(cfg: RunConfig, step: int, run_dir: Path, timeout: float, launcher: str
     out = deadline.run(run_ranks, cfg, run_dir, timeout, launcher)
     if not out.ok:
         raise RuntimeError(f"{cfg.trainer} run failed: {out.error.splitlines()[0]}")
-    from safetensors.torch import load_file
     trace = merge(run_dir, cfg.parallel.world_size)
-    tensors: dict = {}
-    for f in sorted(run_dir.glob("rank*.dump.safetensors")):
-        tensors.update(load_file(str(f)))
-    return trace, tensors, out.elapsed_s
+    return trace, read_dumps(run_dir, trace.shapes()), out.elapsed_s
 
 
 def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,

@@ -65,6 +65,10 @@ class Trace:
     expert_model_parallel_size: int = 1              # EP
     data_parallel_size: int = 1                      # DP (megatron-core); world_size = P x max(DP, EP)
 
+    def shapes(self) -> dict:
+        """{key: global shape} of the parameters (what a sharded run's dumps are put together into)."""
+        return {k: meta["shape"] for k, meta in self.params.items()}
+
     def save(self, path: Path) -> None:
         """Write as JSON (``trace.json``)."""
         path.write_text(json.dumps(asdict(self), indent=1))

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors.torch import load_file
-
+from trainerkit.capture import read_dumps
 from trainerkit.config import DumpConfig, RunConfig
 
 from ..judging.trace import Trace
@@ -30,17 +29,14 @@ def diverging_keys(ref: Trace, other: Trace, step: int, limit: int = MAX_TENSORS
 
 
 def _dump(cfg: RunConfig, keys: list[str], step: int, run_dir: Path, timeout: float, launcher: str,
-          deadline: Deadline) -> dict:
+          deadline: Deadline, shapes: dict) -> dict:
     cfg = cfg.model_copy(update={
         "dump": DumpConfig(step=step, keys=keys, max_bytes=MAX_BYTES), "checkpoint": None,
         "training": cfg.training.model_copy(update={"train_iters": step + 1})})
     out = deadline.run(run_ranks, cfg, run_dir, timeout, launcher)
     if not out.ok:
         raise RuntimeError(out.error.splitlines()[0])
-    tensors: dict = {}
-    for f in sorted(run_dir.glob("rank*.dump.safetensors")):
-        tensors.update(load_file(str(f)))
-    return tensors
+    return read_dumps(run_dir, shapes)
 
 
 def collect(ref_cfg: RunConfig, cfg: RunConfig, ref: Trace, other: Trace, step: int, work: Path,
@@ -50,8 +46,8 @@ def collect(ref_cfg: RunConfig, cfg: RunConfig, ref: Trace, other: Trace, step: 
     keys = diverging_keys(ref, other, step)
     if not keys:
         return []
-    a = _dump(ref_cfg, keys, step, work / "reference", timeout, launcher, deadline)
-    b = _dump(cfg, keys, step, work / "variant", timeout, launcher, deadline)
+    a = _dump(ref_cfg, keys, step, work / "reference", timeout, launcher, deadline, ref.shapes())
+    b = _dump(cfg, keys, step, work / "variant", timeout, launcher, deadline, other.shapes())
     rows = []
     for key in keys:
         for what in ("grad", "param"):
@@ -61,3 +57,4 @@ def collect(ref_cfg: RunConfig, cfg: RunConfig, ref: Trace, other: Trace, step: 
                 if stats["differing"]:
                     rows.append({"key": key, "what": what, **stats})
     return rows
+

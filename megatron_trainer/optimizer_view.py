@@ -1,0 +1,86 @@
+"""What megatron's optimizer does with each parameter, read from the optimizer megatron built: the tensor it
+updates (the parameter itself, its fp32 master in bf16 runs, or under the distributed optimizer this DP rank's
+fp32 shard of it), whether it decays it, and which part of the parameter a distributed-optimizer rank owns.
+
+The trainer traces what the optimizer updates (TRACE_FORMAT.md: ``params`` are the values after the step), so a
+bf16 run's fingerprints are its fp32 masters' and a distributed-optimizer run's are partial records of the
+shards, composed by the merge into the same fingerprint as the whole tensor (`trainerkit.fingerprint_shard`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OwnedRange:
+    """The part of a parameter a distributed-optimizer rank updates: elements ``start:end`` of the flattened
+    parameter (megatron's ``DistributedOptimizer._get_model_param_range_map(param)["param"]``), and ``main``, the
+    fp32 tensor [end - start] the optimizer steps (``shard_fp32_from_float16_groups`` for a bf16 parameter, for
+    an fp32 one ``shard_fp32_groups``: a view of the parameter's own storage)."""
+
+    start: int
+    end: int
+    main: torch.Tensor
+    #: how many DP ranks share out this parameter's ranges (the optimizer's ``data_parallel_group``: the whole DP
+    #: or expert-DP group, or with ``num_distributed_optimizer_instances`` > 1 one instance of it)
+    group_size: int = 1
+
+    def of(self, whole: torch.Tensor) -> torch.Tensor:
+        """The owned elements of a tensor shaped like the parameter (its ``main_grad``), flat [end - start]."""
+        return whole.view(-1)[self.start:self.end]
+
+
+def _optimizers(optimizer) -> list:
+    """The optimizers inside megatron's ``ChainedOptimizer`` (dense and expert parameters), or [optimizer]."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def owned_ranges(optimizer) -> dict:
+    """{id(model param): `OwnedRange`} for every parameter of which megatron's distributed optimizer
+    (``megatron/core/optimizer/distrib_optimizer.py``: the grad buffer split evenly over the DP group, each rank
+    stepping the parameters' elements in its part) gives this rank a non-empty range; {} for megatron's other
+    optimizers.  A parameter this rank owns none of is absent: another DP rank steps it."""
+    out = {}
+    for opt in _optimizers(optimizer):
+        if not hasattr(opt, "_get_model_param_range_map"):
+            continue
+        group_size = opt.data_parallel_group.size()
+        for models, mains in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                              (opt.model_fp32_groups, opt.shard_fp32_groups)):
+            for model_group, main_group in zip(models, mains):
+                for p, main in zip(model_group, main_group):
+                    r = opt._get_model_param_range_map(p)["param"]
+                    if r.end > r.start:
+                        out[id(p)] = OwnedRange(int(r.start), int(r.end), main, group_size)
+    return out
+
+
+def master_params(optimizer) -> dict:
+    """{id(model param): the fp32 tensor megatron's optimizer steps for it} where that is not the parameter
+    itself: the mixed-precision optimizer's fp32 master (bf16 runs, ``fp32_from_float16_groups``), the
+    distributed optimizer's fp32 shard (`owned_ranges`); empty for the plain fp32 optimizer."""
+    out = {}
+    for opt in _optimizers(optimizer):
+        for model_group, main_group in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
+            for p, main in zip(model_group, main_group):
+                out[id(p)] = main
+    out.update({k: r.main for k, r in owned_ranges(optimizer).items()})
+    return out
+
+
+def weight_decay_groups(optimizer) -> dict:
+    """{id(what the optimizer steps): whether megatron's optimizer decays it}: the weight decay its parameter
+    group actually applies (set by the OptimizerParamScheduler from the group's wd_mult)."""
+    return {id(p): group["weight_decay"] > 0 for group in optimizer.param_groups for p in group["params"]}
+
+
+def optimizer_view(optimizer, params: list) -> tuple[dict, dict]:
+    """What megatron's optimizer does with each of `params` (GlobalParam): ({id(param): what it steps} where that
+    is not the parameter, `master_params`; {id(param): weight decay on}, from the group of what it steps,
+    `weight_decay_groups`; a parameter no group holds — frozen in a user's model, or under the distributed
+    optimizer owned by another DP rank — is not decayed here)."""
+    masters = master_params(optimizer)
+    decay = weight_decay_groups(optimizer)
+    return masters, {id(gp.param): decay.get(id(masters.get(id(gp.param), gp.param)), False) for gp in params}
