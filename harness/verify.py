@@ -241,7 +241,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
         verdict, happened, reason, outside = decided.verdict, decided.outcome, decided.reason, decided.outside
         evidence, evidence_error = [], ""
         # a run that states a bug shows how far it moved (the report's "caught" line), as a failure does
-        if fd and fd.kind in ("grad", "param") and (verdict == "fail" or evidence_all or run.spec.bug):
+        if fd and fd.kind in ("grad", "optimizer_state", "param") and (verdict == "fail" or evidence_all or run.spec.bug):
             progress(f"      collecting ULP evidence at step {fd.step} ...")
             try:
                 evidence = collect_evidence(plan_configs[ref_name], run.config, ref, trace, fd.step,

@@ -8,9 +8,13 @@ shards, composed by the merge into the same fingerprint as the whole tensor (`tr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from trainerkit import names
+from trainerkit.capture import OPTIMIZER_STATES
+from trainerkit.fingerprint_shard import Shard
 
 
 @dataclass(frozen=True)
@@ -84,3 +88,83 @@ def optimizer_view(optimizer, params: list) -> tuple[dict, dict]:
     masters = master_params(optimizer)
     decay = weight_decay_groups(optimizer)
     return masters, {id(gp.param): decay.get(id(masters.get(id(gp.param), gp.param)), False) for gp in params}
+
+
+def adam_states(optimizer, values: list) -> dict:
+    """{"exp_avg" | "exp_avg_sq": [tensor per entry of `values`]}: Adam's moments of each tensor megatron's
+    optimizer steps (`values`: the fp32 masters, ranges or parameters, as `master_params` names them), read from
+    the torch optimizer inside each of megatron's optimizers (``.optimizer.state``, keyed by the tensor it
+    steps); {} before the first step or for an optimizer without these states.
+
+    Raises:
+        KeyError: a tensor of `values` that has moments in none of them after a step (a frozen parameter
+            would be absent from `values`)."""
+    state: dict = {}
+    for opt in _optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        state.update({id(p): st for p, st in getattr(inner, "state", {}).items()})
+    if not state or not all(name in st for st in state.values() for name in OPTIMIZER_STATES):
+        return {}
+    return {name: [state[id(v)][name] for v in values] for name in OPTIMIZER_STATES}
+
+
+@dataclass
+class Traced:
+    """What a rank traces of the parameters megatron's optimizer steps: ``params`` (`model.GlobalParam`: every
+    parameter, or under the distributed optimizer those this DP rank owns a range of, tagged by its optimizer
+    instance, `_instance_replica`) with their trace ``keys``, ``masters`` ({id(param): what the optimizer steps}
+    where that is not the parameter, `master_params`), ``decay`` ({id(param): weight decay on}) and ``ranges``
+    ({id(param): `OwnedRange`}; empty without the distributed optimizer).  The megatron trainer and the capture
+    in Megatron-LM's own loop (`pretrain_hooks`) both trace through it."""
+
+    params: list
+    keys: list
+    masters: dict
+    decay: dict
+    ranges: dict
+
+    def values(self) -> list:
+        """What the optimizer updates, per traced parameter: the fp32 master in bf16, the parameter itself in
+        fp32, this rank's fp32 range under the distributed optimizer."""
+        return [self.masters.get(id(gp.param), gp.param) for gp in self.params]
+
+    def grads(self) -> list:
+        """The gradients the optimizer steps with, per traced parameter: ``main_grad`` after
+        ``finalize_model_grads``; under the distributed optimizer only this rank's range of it is reduced (the
+        reduce-scatter), so only that range, flat."""
+        return [self.ranges[id(gp.param)].of(gp.param.main_grad) if self.ranges else gp.param.main_grad
+                for gp in self.params]
+
+    def shards(self) -> list:
+        """Where each traced tensor sits in its parameter (`Shard`, flat ranges), or None per parameter without
+        the distributed optimizer."""
+        return [Shard(tuple(gp.param.shape), None, self.ranges[id(gp.param)].start) if self.ranges else None
+                for gp in self.params]
+
+    def states(self, optimizer) -> dict:
+        """Adam's moments of `values` (`adam_states`): {} before the first step."""
+        return adam_states(optimizer, self.values())
+
+
+def traced(optimizer, params: list) -> Traced:
+    """`Traced` of this rank's `params` (`model.global_parameters`) under megatron's built `optimizer`.  Under the
+    distributed optimizer each DP rank steps (and traces) its own range of a parameter under the key of the copy
+    its optimizer instance holds; the merge adds the ranges' partial fingerprints up to that copy's."""
+    masters, decay = optimizer_view(optimizer, params)
+    ranges = owned_ranges(optimizer)
+    if ranges:
+        params = [replace(gp, replica=_instance_replica(gp, ranges[id(gp.param)].group_size))
+                  for gp in params if id(gp.param) in ranges]
+    return Traced(params, [names.replica_key(gp.name, gp.replica) for gp in params], masters, decay, ranges)
+
+
+def _instance_replica(gp, group_size: int) -> str | None:
+    """The replica tag of a distributed-optimizer rank's range of `gp`.  One instance (megatron's default): the
+    parameter's own key, no @dp / @edp replica (no rank holds a whole copy).  With
+    ``num_distributed_optimizer_instances`` > 1 each instance holds a whole copy: the one whose first DP (expert:
+    expert-DP) rank is d is tagged ``dp{d}`` (``edp{d}``) like plain DDP's replicas, and the harness checks that
+    the instances stay equal."""
+    from megatron.core import parallel_state as ps
+    expert = names.expert_id(gp.name) is not None
+    rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()
+    return names.ep_replica(names.base_replica(gp.replica), rank // group_size * group_size, "edp" if expert else "dp")

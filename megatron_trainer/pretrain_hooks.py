@@ -17,8 +17,9 @@ Nothing of the checkout is edited.  `install` wraps, before the training script 
 * the rank's trace is closed (`finish`) when the script returns.
 
 `trainerkit.capture.RankCapture` writes the trace: no collective of bitparity's own, fingerprints on the device.
-Refused at the first step, one line (`CaptureRefused`): tensor / context parallelism and the distributed
-optimizer (a rank then holds shards, not the whole tensors the trace names).
+Under ``--use-distributed-optimizer`` each DP rank traces its ranges of the gradients, fp32 main copies and Adam
+moments as partial fingerprints (`optimizer_view.Traced`, as the megatron trainer does), which `bitparity
+compare` composes.  Refused at the first step, one line (`CaptureRefused`): tensor and context parallelism.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from trainerkit import names
 from trainerkit.capture import RankCapture, microbatch_losses, scalar
 from trainerkit.init import init_parameters
 
@@ -48,9 +48,7 @@ class CaptureRefused(RuntimeError):
 _SHARDED = (("tensor_model_parallel_size", "--tensor-model-parallel-size", "a rank holds a shard of each matrix"),
             ("context_parallel_size", "--context-parallel-size",
              "a rank holds part of each sequence's activations and losses"),
-            ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "a rank holds a shard of each expert"),
-            ("use_distributed_optimizer", "--use-distributed-optimizer",
-             "a rank holds a shard of the gradients and of the optimizer's parameters"))
+            ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "a rank holds a shard of each expert"))
 
 
 def refusal(argv: list) -> Optional[str]:
@@ -62,8 +60,6 @@ def refusal(argv: list) -> Optional[str]:
             name, eq, value = word.partition("=")
             if name != flag:
                 continue
-            if attr == "use_distributed_optimizer":
-                return f"bitparity capture: {flag} is not supported: {why}"
             value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
             if value.strip() not in ("1", ""):
                 return f"bitparity capture: {flag} {value} is not supported: {why}"
@@ -108,7 +104,7 @@ class _Capture:
         self.recorder = _Recorder()
         self.step = 0
         self.started = time.perf_counter()
-        self.params = self.values = None
+        self.traced: Optional[optimizer_view.Traced] = None
         self.buffers: dict = {}
 
     def first_step(self, model: list, optimizer) -> None:
@@ -128,13 +124,10 @@ class _Capture:
         params = global_parameters(chunks, args.num_experts // ep if args.num_experts else 0,
                                    ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank(),
                                    ps.get_expert_data_parallel_rank(), strict=False)
-        masters, decay = optimizer_view.optimizer_view(optimizer, params)
         if self.init_seed is not None:
-            _reinitialise(params, masters, args, self.init_seed)
-        self.params = params
-        self.values = [masters.get(id(gp.param), gp.param) for gp in params]
+            _reinitialise(params, optimizer, args, self.init_seed)
+        self.traced = optimizer_view.traced(optimizer, params)
         self.buffers = expert_biases(chunks)
-        keys = [names.replica_key(gp.name, gp.replica) for gp in params]
         self.mtp_num_layers = args.mtp_num_layers or 0
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -142,10 +135,10 @@ class _Capture:
         rank = dist.get_rank()
         path = self.out_dir / f"rank{rank}.jsonl"
         path.unlink(missing_ok=True)                 # a trace of an earlier run in the same directory
-        header = {**megatron_train.rank_fields(chunks, params, keys, decay, strict=False),
+        header = {**megatron_train.rank_fields(chunks, self.traced, strict=False),
                   **_header(args, params, time.perf_counter() - self.started, self.argv)}
         self.capture = RankCapture(path, header)
-        self.capture.initial(self.values)
+        self.capture.initial(self.traced.values())
         if self.mtp_num_layers:
             megatron_train.record_mtp_losses(self.recorder)
 
@@ -155,17 +148,21 @@ class _Capture:
 
 
 @torch.no_grad()
-def _reinitialise(params: list, masters: dict, args, seed: int) -> None:
+def _reinitialise(params: list, optimizer, args, seed: int) -> None:
     """``--bitparity-init SEED``: every parameter re-initialised by its global name (`trainerkit.init`: the
     same weights whatever the layout; megatron seeds by pipeline rank, megatron-semantics §7.3) with megatron's
-    ``--init-method-std`` and ``--num-layers``, and the optimizer's fp32 master copies (bf16) from them."""
+    ``--init-method-std`` and ``--num-layers``, and what the optimizer steps from them: the fp32 master copies
+    (bf16), under the distributed optimizer this rank's fp32 range of each."""
     cfg = SimpleNamespace(init_method_std=args.init_method_std, num_layers=args.num_layers,
                           moe_router_init_method_std=None)
     init_parameters(((gp.name, gp.param) for gp in params), cfg, seed)
+    ranges = optimizer_view.owned_ranges(optimizer)
     for gp in params:
-        master = masters.get(id(gp.param))
-        if master is not None:
-            master.copy_(gp.param.float())
+        master = optimizer_view.master_params(optimizer).get(id(gp.param))
+        if master is None:
+            continue
+        r = ranges.get(id(gp.param))
+        master.copy_((r.of(gp.param) if r is not None else gp.param).float())
 
 
 def _header(args, params, setup_s, argv) -> dict:
@@ -228,12 +225,13 @@ def install(out_dir: Path, argv: list, init_seed: Optional[int] = None) -> None:
 
         @functools.wraps(step)
         def optimizer_step(*s_args, **s_kwargs):
-            state.capture.grads([gp.param.main_grad for gp in state.params])
+            state.capture.grads(state.traced.grads())
             result = step(*s_args, **s_kwargs)
             _, norm, _ = result
             if state.clip_grad > 0 and norm is not None:
                 state.capture.set(**megatron_train.clip_record(norm, state.clip_grad))
-            state.capture.params(state.values)
+            state.capture.optimizer_state(state.traced.states(optimizer))
+            state.capture.params(state.traced.values())
             state.capture.buffers(state.buffers)
             return result
 

@@ -16,7 +16,7 @@ case's data and reads what it computed:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -24,17 +24,15 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from trainerkit import names
 from trainerkit.capture import RankCapture, dump_tensors, float64_scalar, microbatch_losses, param_entry, scalar
 from trainerkit.config import RunConfig
 from trainerkit.data import TokenDataset
-from trainerkit.fingerprint_shard import Shard
 from trainerkit.init import init_parameters
 
 from . import compat, faults, options
 from .coverage import OverlapCounter
 from .model import build_chunks, embedding_ranks, expert_biases, global_parameters, transformer_config
-from .optimizer_view import optimizer_view, owned_ranges
+from .optimizer_view import Traced, traced
 
 
 class LossRecorder:
@@ -131,40 +129,15 @@ def _forward_step(recorder: LossRecorder, data_iterator, model, return_schedule_
 @dataclass
 class MegatronRank:
     """One rank's megatron objects and their bookkeeping: ``chunks`` (GPTModel per virtual stage), ``model``
-    (their DDP wrappers), ``optimizer`` / ``scheduler``, ``params`` under global names with their trace
-    ``keys`` (the traced ones: under the distributed optimizer those this DP rank owns a range of),
-    ``masters`` ({id(param): what the optimizer steps}, `optimizer_view.master_params`), ``decay`` ({id(param):
-    weight decay on}), ``ranges`` ({id(param): `optimizer_view.OwnedRange`}; empty without the distributed
-    optimizer)."""
+    (their DDP wrappers), ``optimizer`` / ``scheduler``, and ``traced``: the parameters it traces under their
+    global names and keys, with what the optimizer steps for each (`optimizer_view.Traced`)."""
 
     config: object
     chunks: list
     model: list
     optimizer: object
     scheduler: object
-    params: list
-    keys: list
-    masters: dict
-    decay: dict
-    ranges: dict
-
-    def values(self) -> list:
-        """What the optimizer updates, per traced parameter: the fp32 master in bf16, the parameter itself in
-        fp32, this rank's fp32 shard under the distributed optimizer."""
-        return [self.masters.get(id(gp.param), gp.param) for gp in self.params]
-
-    def grads(self) -> list:
-        """The gradients the optimizer steps with, per traced parameter: ``main_grad`` after
-        ``finalize_model_grads``; under the distributed optimizer only this rank's range of it is reduced (the
-        reduce-scatter), so only that range, flat."""
-        return [self.ranges[id(gp.param)].of(gp.param.main_grad) if self.ranges else gp.param.main_grad
-                for gp in self.params]
-
-    def shards(self) -> list:
-        """Where each traced tensor sits in its parameter (`Shard`, flat ranges), or None per parameter without
-        the distributed optimizer."""
-        return [Shard(tuple(gp.param.shape), None, self.ranges[id(gp.param)].start) if self.ranges else None
-                for gp in self.params]
+    traced: Traced
 
 
 def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
@@ -220,36 +193,16 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     scheduler = options.scheduler(optimizer, cfg)
     config.finalize_model_grads_func = faults.finalize(cfg.inject, finalize_model_grads)
     config.grad_scale_func = optimizer.scale_loss
-    masters, decay = optimizer_view(optimizer, params)
-    ranges = owned_ranges(optimizer)
-    if ranges:
-        params = [replace(gp, replica=_instance_replica(gp, ranges[id(gp.param)].group_size))
-                  for gp in params if id(gp.param) in ranges]
-    keys = [names.replica_key(gp.name, gp.replica) for gp in params]
     return MegatronRank(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
-                        params=params, keys=keys, masters=masters, decay=decay, ranges=ranges)
+                        traced=traced(optimizer, params))
 
 
-def _instance_replica(gp, group_size: int) -> str | None:
-    """The replica tag of a distributed-optimizer rank's range of `gp`: each DP rank steps (and traces) its own
-    range under the key of the copy its optimizer instance holds, and the merge adds the ranges' partial
-    fingerprints up to that copy's.  One instance (megatron's default): the parameter's own key, no @dp / @edp
-    replica (no rank holds a whole copy).  With ``num_distributed_optimizer_instances`` > 1 each instance holds a
-    whole copy: the one whose first DP (expert: expert-DP) rank is d is tagged ``dp{d}`` (``edp{d}``) like plain
-    DDP's replicas, and the harness checks the instances stay equal."""
-    from megatron.core import parallel_state as ps
-    expert = names.expert_id(gp.name) is not None
-    rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()
-    return names.ep_replica(names.base_replica(gp.replica), rank // group_size * group_size, "edp" if expert else "dp")
-
-
-def rank_fields(chunks: list, params: list, keys: list, decay: dict, strict: bool = True,
-                shards: list | None = None) -> dict:
+def rank_fields(chunks: list, tr: Traced, strict: bool = True) -> dict:
     """The trace header's identity fields of this rank (TRACE_FORMAT.md), from megatron's parallel state: global
     rank and world size, pp / ep / dp ranks and sizes, the flat stages its `chunks` hold (vp * P + pp rank), and
-    ``params`` (`param_entry` of each GlobalParam under its trace key; `decay`: {id(param): weight decay on};
-    `strict`: names must be DeepSeek-V3's, `trainerkit.names`; `shards`: a `Shard` or None per parameter, the
-    part of it this rank traces)."""
+    ``params`` (`param_entry` of each traced parameter under its key, with its weight decay and, under the
+    distributed optimizer, the range of it this rank traces; `strict`: names must be DeepSeek-V3's,
+    `trainerkit.names`)."""
     from megatron.core import parallel_state as ps
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "pp_rank": pp_rank,
@@ -257,15 +210,15 @@ def rank_fields(chunks: list, params: list, keys: list, decay: dict, strict: boo
             "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
             "dp_rank": ps.get_data_parallel_rank(), "data_parallel_size": ps.get_data_parallel_world_size(),
             "stages": [vp * pp + pp_rank for vp in range(len(chunks))],
-            "params": [param_entry(k, gp.name, gp.replica, gp.param, decay[id(gp.param)], strict=strict, shard=shard)
-                       for k, gp, shard in zip(keys, params, shards or [None] * len(params))]}
+            "params": [param_entry(k, gp.name, gp.replica, gp.param, tr.decay[id(gp.param)], strict=strict, shard=shard)
+                       for k, gp, shard in zip(tr.keys, tr.params, tr.shards())]}
 
 
 def header(cfg: RunConfig, device: torch.device, r: MegatronRank, setup_s: float) -> dict:
     """The trace header's fields (TRACE_FORMAT.md; `trainerkit.capture.RankCapture`) of this rank."""
     import megatron.core
 
-    return {**rank_fields(r.chunks, r.params, r.keys, r.decay, shards=r.shards()), "reductions": "megatron",
+    return {**rank_fields(r.chunks, r.traced), "reductions": "megatron",
             "device": str(device),
             "params_dtype": cfg.params_dtype,
             "transport": "gloo" if device.type == "cpu" else "nccl", "trainer": "megatron-core",
@@ -306,7 +259,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     capture = RankCapture(trace_path, header(cfg, device, r, time.perf_counter() - started),
                           fingerprints=cfg.capture != "losses")
-    capture.initial(r.values())
+    tr = r.traced
+    capture.initial(tr.values())
     for step in range(t.train_iters):
         start = time.perf_counter()
         capture.begin_step(step)
@@ -318,21 +272,22 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
                          data_iterator=iterators if len(iterators) > 1 else iterators[0], model=r.model,
                          num_microbatches=t.num_microbatches, seq_length=t.seq_length,
                          micro_batch_size=t.micro_batch_size, forward_only=False)
-        main_grads = r.grads()
+        main_grads = tr.grads()
         capture.grads(main_grads)
         dumping = cfg.dump is not None and cfg.dump.step == step
-        shards = r.shards()
-        dump = dump_tensors(cfg.dump, zip(r.keys, main_grads), "grad", shards) if dumping else {}
+        shards = tr.shards()
+        dump = dump_tensors(cfg.dump, zip(tr.keys, main_grads), "grad", shards) if dumping else {}
         ok, norm, _ = r.optimizer.step()
         if not ok:
             raise RuntimeError(f"step {step}: megatron's optimizer skipped the update (inf/nan in the gradients)")
         r.scheduler.step(increment=1)
         if t.clip_grad > 0:
             capture.set(**clip_record(norm, t.clip_grad))
-        values = r.values()
+        values = tr.values()
+        capture.optimizer_state(tr.states(r.optimizer))
         capture.params(values)
         if dumping:
-            dump.update(dump_tensors(cfg.dump, zip(r.keys, values), "param", shards))
+            dump.update(dump_tensors(cfg.dump, zip(tr.keys, values), "param", shards))
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         capture.buffers(buffers)
         if ps.is_pipeline_last_stage(ignore_virtual=True):

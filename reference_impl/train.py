@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from trainerkit import names
-from trainerkit.capture import FORMAT, CaptureClock, TraceWriter, dump_tensors, scalar
+from trainerkit.capture import FORMAT, OPTIMIZER_STATES, CaptureClock, TraceWriter, dump_tensors, scalar
 from trainerkit.config import RunConfig
 from trainerkit.data import TokenDataset
 from trainerkit.fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
@@ -111,6 +111,14 @@ class RankState:
         if self.cfg.capture == "losses":
             return None
         return fingerprint_hex_many_async([getattr(p, attr) for _, _, _, p, _ in self.params])
+
+    def state_fingerprints(self, optimizer) -> dict:
+        """{`OPTIMIZER_STATES` name: `fingerprints`-like pending result} of Adam's moments of every parameter's
+        master (`optimizer.AdamW`'s state), in `self.params` order; {} when capture is "losses"."""
+        if self.cfg.capture == "losses":
+            return {}
+        return {name: fingerprint_hex_many_async([optimizer.state[p.master][name] for _, _, _, p, _ in self.params])
+                for name in OPTIMIZER_STATES}
 
     def resolve(self, pending: "PendingHex | None") -> dict:
         """{key: fingerprint} of `fingerprints`' result (waits for the device)."""
@@ -213,12 +221,14 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
                     p.copy_(p.master)
         with clock.capture():
             params = state.fingerprints("master")
+            moments = state.state_fingerprints(optimizer)
         if dumping:
             dump.update(state.dump_tensors("master", "param"))
             save_file(dump, str(trace_path.with_name(f"rank{rank}.dump.safetensors")))
         timing = clock.end_step()
         # waits for the device to finish the step (not capture time); then the small rest of the capture
         record["grads"], record["params"] = state.resolve(grads), state.resolve(params)
+        record.update({name: state.resolve(pending) for name, pending in moments.items()})
         with clock.capture():
             record["buffers"] = state.buffers()
             record["router_ties"] = state.router_ties()

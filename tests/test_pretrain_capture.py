@@ -92,6 +92,26 @@ def test_two_layouts_bitwise_and_a_planted_mtp_loss_scale_caught(tmp_path):
     assert r.returncode == 1 and "differs outside its signature" in r.stdout, r.stdout + r.stderr
 
 
+def test_the_distributed_optimizer_traces_shards_that_compare_with_plain_ddp(tmp_path):
+    """DP = 2 (4 ranks at P = 2): megatron's distributed optimizer with both overlaps against plain DDP, in
+    Megatron-LM's own loop.  Each rank traces its ranges of the gradients, masters and Adam moments as partial
+    records; `bitparity compare` composes them and finds the runs bitwise equal (a + b commutes: DP = 2)."""
+    plain, sharded = tmp_path / "plain", tmp_path / "distopt"
+    dp2 = ("--pipeline-model-parallel-size", "2")
+    for out, extra in ((plain, dp2), (sharded, (*dp2, "--use-distributed-optimizer", "--overlap-grad-reduce",
+                                                 "--overlap-param-gather"))):
+        r = pretrain(out, LAYOUTS["a"], nproc=4, extra=extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in (sharded / "rank1.jsonl").read_text().splitlines()]
+    assert records[0]["data_parallel_size"] == 2 and all("shard" in p for p in records[0]["params"])
+    step = next(rec for rec in records if rec["type"] == "step")
+    assert all(isinstance(v, dict) and v["partial"] == "fp64v2"
+               for part in ("grads", "params", "exp_avg", "exp_avg_sq") for v in step[part].values())
+    r, summary = compare(tmp_path, plain, sharded)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
+
+
 @pytest.mark.skipif(not os.environ.get("BITPARITY_MEGATRON_LM"), reason="BITPARITY_MEGATRON_LM names no checkout")
 def test_the_checkouts_own_pretrain_gpt_matches_the_stand_in(tmp_path):
     script = Path(os.environ["BITPARITY_MEGATRON_LM"]) / "pretrain_gpt.py"
@@ -110,9 +130,8 @@ def test_refusals_are_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", str(STANDIN)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--bitparity-out" in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    # a rank that holds shards (distributed optimizer, TP, CP): refused before megatron starts, one line, exit 2
-    for flags, words in ((["--use-distributed-optimizer"], "--use-distributed-optimizer is not supported"),
-                         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 is not supported"),
+    # a rank that holds a slice of a tensor (TP, CP): refused before megatron starts, one line, exit 2
+    for flags, words in ((["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 is not supported"),
                          (["--context-parallel-size=4"], "--context-parallel-size 4 is not supported"),
                          (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 is not")):
         r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", "--bitparity-out",

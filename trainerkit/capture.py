@@ -24,6 +24,7 @@ Two trainers write through it: the megatron trainer (`megatron_trainer.train`) a
 """
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import threading
@@ -40,6 +41,9 @@ from .fingerprint import PendingHex, fingerprint_hex_many_async, float_bits_hex
 from .fingerprint_shard import Shard, partial_many
 
 FORMAT = "bitparity-rank-trace/2"
+#: Adam's per-parameter moments as torch's and Megatron's optimizers name them: the step record fields that
+#: carry their fingerprints after the update (TRACE_FORMAT.md)
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 
 def scalar(t: torch.Tensor) -> dict:
@@ -251,6 +255,20 @@ class RankCapture:
         self._pending["params"] = self._start(tensors)
 
     @_timed
+    def optimizer_state(self, states: dict) -> None:
+        """Fingerprint Adam's moments after the optimizer step: {`OPTIMIZER_STATES` name: [tensor] aligned with
+        `keys`}, each tensor the shape of what the optimizer steps (the fp32 master, or this rank's range of it
+        under the distributed optimizer; TRACE_FORMAT.md).
+
+        Raises:
+            ValueError: a name that is not one of `OPTIMIZER_STATES`."""
+        self._step_record()
+        for name, tensors in states.items():
+            if name not in OPTIMIZER_STATES:
+                raise ValueError(f"optimizer state {name!r} is not one of {OPTIMIZER_STATES}")
+            self._pending[name] = self._start(tensors)
+
+    @_timed
     def buffers(self, named: dict) -> None:
         """Fingerprint named buffers after their update ({global name: tensor}, e.g. the routers' expert_bias)."""
         self._step_record()
@@ -349,7 +367,7 @@ def dump_tensors(dump, items: Iterable, prefix: str, shards: Optional[list] = No
     ``prefix/key#offset`` (flat range) or ``prefix/key#d<dim>:<offset>`` (slice), which `read_dumps` puts
     together."""
     out, used = {}, 0
-    for (key, t), shard in zip(items, shards if shards is not None else [None] * 2 ** 62):
+    for (key, t), shard in zip(items, shards if shards is not None else itertools.repeat(None)):
         size = t.numel() * t.element_size()
         if dump.wants(key) and used + size <= dump.max_bytes:
             name = f"{prefix}/{key}" if shard is None else \

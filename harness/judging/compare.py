@@ -8,8 +8,10 @@ Walk order = dataflow order, the order in which one training step computes its n
 within a step, losses (the forward: microbatches ascending; lm then mtp_1..mtp_D; then the reported lm loss)
 before gradients in *backward* order (the reverse of the canonical parameter order: output head, MTP depths
 from the last, final norm, decoder layers from the last, embedding; within a layer the MLP before the
-attention, routed experts before their router) before the grad norm (when both runs clip) before parameters
-after the optimizer step (canonical order), then the buffers after their update (the routers' expert bias, kind
+attention, routed experts before their router) before the grad norm (when both runs clip) before Adam's
+moments after the update (kind ``optimizer_state``, canonical order: the update computes them before the
+parameter; a clipped gradient or a lost moment shows here first) before parameters after the optimizer step
+(canonical order), then the buffers after their update (the routers' expert bias, kind
 ``buffer``: state that is not a parameter, `trainerkit.names.is_buffer`).  The first difference in
 that order is the first divergence: the first tensor computed differently.  Gradients accumulate over all
 microbatches before they are captured, so within a step this is the layer where a backward difference
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from trainerkit import names
+from trainerkit.capture import OPTIMIZER_STATES
 
 from .results import FAMILIES, FirstDivergence
 from .trace import Trace
@@ -29,8 +32,8 @@ from .ulp import ulp_distance
 
 @dataclass
 class Comparison:
-    """bitwise_equal: every compared bit equal.  family_mismatches: {"grad"|"param"|"buffer": [{family: count}]
-    per step}.
+    """bitwise_equal: every compared bit equal.  family_mismatches: {"grad"|"optimizer_state"|"param"|"buffer":
+    [{family: count}] per step}.
     inventory: one line per parameter whose inventory entry differs (`inventory_diff`), canonical order."""
 
     bitwise_equal: bool
@@ -84,7 +87,7 @@ def inventory_diff(base: Trace, other: Trace) -> list[str]:
 def replica_status(trace: Trace) -> dict:
     """Whether every replica of a logical parameter (``embedding.word_embeddings.weight@mtp``; with expert
     parallelism the ``@ep{r}`` copies of every non-expert parameter) matches its original within one run: same shape/dtype/weight-decay group, same initial value, and after every step
-    the same gradient (after the replica sum) and the same value after the optimizer step.
+    the same gradient (after the replica sum), the same Adam moments and the same value after the optimizer step.
 
     Returns ``{"consistent": bool, "first_broken_step": int|None, "replicas": [keys], "detail": str}``, with
     ``"replica"``: the first broken replica's key when inconsistent;
@@ -107,7 +110,9 @@ def replica_status(trace: Trace) -> dict:
         if trace.init.get(key) != trace.init.get(orig):
             return broken(0, f"{key}: initial value {trace.init.get(key)} vs {trace.init.get(orig)} of {orig}", key)
     for st in trace.steps:
-        for what, fps in (("gradient", st.grads), ("value after the optimizer step", st.params)):
+        for what, fps in (("gradient", st.grads), *((f"Adam {n} after the optimizer step", getattr(st, n))
+                                                      for n in OPTIMIZER_STATES),
+                          ("value after the optimizer step", st.params)):
             for key, orig in pairs:
                 if fps.get(key) != fps.get(orig):
                     return broken(st.step, f"{key}: {what} at step {st.step} {fps.get(key)} vs "
@@ -183,7 +188,7 @@ def compare(base: Trace, other: Trace) -> Comparison:
         first = FirstDivergence(step=0, kind="inventory", microbatch=None, name=inventory[0].split(":")[0],
                                 detail=f"parameter inventory differs ({len(inventory)}): " + "; ".join(inventory[:5]))
         diffs += [Difference(0, "inventory", line.split(":")[0]) for line in inventory]
-    counts = {"grad": [], "param": [], "buffer": []}
+    counts = {"grad": [], "optimizer_state": [], "param": [], "buffer": []}
     norm_ulps = []
     # align by step number: a resumed run starts after its checkpoint step
     base_by_step = {st.step: st for st in base.steps}
@@ -216,6 +221,11 @@ def compare(base: Trace, other: Trace) -> Comparison:
                     first = FirstDivergence(bs.step, "grad_norm", None, "grad norm",
                                             f"grad norm {bh} vs {oh}{_ulp_words(norm_ulps[-1], bh)}",
                                             ulp=norm_ulps[-1], ulp_bits=_bits(bh) if norm_ulps[-1] is not None else None)
+        states = [k for k in keys if _state_differs(bs, os_, k)]
+        diffs += [Difference(bs.step, "optimizer_state", k) for k in states]
+        counts["optimizer_state"].append(_per_family(states, families))
+        if states and first is None:
+            first = FirstDivergence(bs.step, "optimizer_state", None, states[0], _state_words(bs, os_, states[0]))
         params = [k for k in keys if bs.params.get(k) != os_.params.get(k)]
         buffers = [k for k in sorted(set(bs.buffers) | set(os_.buffers)) if bs.buffers.get(k) != os_.buffers.get(k)]
         diffs += [Difference(bs.step, "param", k) for k in params] + [Difference(bs.step, "buffer", k) for k in buffers]
@@ -237,6 +247,19 @@ def compare(base: Trace, other: Trace) -> Comparison:
                                     f"{len(other.steps)} steps)")
     return Comparison(bitwise_equal=first is None, first_divergence=first, family_mismatches=counts,
                       inventory=inventory, grad_norm_ulps=norm_ulps, differences=diffs)
+
+
+def _state_differs(a, b, key: str) -> bool:
+    """Whether Adam's moments of `key` differ between two steps; a moment one trace lacks (written before they
+    were traced, or by a capture that cannot read them) is not compared."""
+    return any(getattr(a, n).get(key) != getattr(b, n).get(key) for n in OPTIMIZER_STATES
+               if key in getattr(a, n) and key in getattr(b, n))
+
+
+def _state_words(a, b, key: str) -> str:
+    """'exp_avg fingerprint X vs Y' for each moment of `key` that differs."""
+    return "; ".join(f"{n} fingerprint {getattr(a, n)[key]} vs {getattr(b, n)[key]}" for n in OPTIMIZER_STATES
+                     if key in getattr(a, n) and key in getattr(b, n) and getattr(a, n)[key] != getattr(b, n)[key])
 
 
 def _per_family(keys: list, families: dict) -> dict:

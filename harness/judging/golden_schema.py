@@ -45,6 +45,8 @@ class _Step(_Strict):
     clipped: Optional[StrictBool] = None
     grads: dict[StrictStr, StrictStr] = {}
     params: dict[StrictStr, StrictStr] = {}
+    exp_avg: dict[StrictStr, StrictStr] = {}
+    exp_avg_sq: dict[StrictStr, StrictStr] = {}
     buffers: dict[StrictStr, StrictStr] = {}
 
 

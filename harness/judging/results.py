@@ -18,8 +18,9 @@ EXPECTS: tuple = get_args(Expect)
 Outcome = Literal["reference", "equal", "differs only where allowed", "differs as expected",
                   "unexpected difference", "unexpectedly equal", "not finite", "not finite as expected",
                   "unexpectedly finite", "error"]
-#: ``buffer``: a traced buffer after its update (the routers' expert bias), not a parameter (`harness.judging.compare`)
-DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "param", "buffer"]
+#: ``buffer``: a traced buffer after its update (the routers' expert bias), not a parameter; ``optimizer_state``:
+#: Adam's moments of a parameter after the update (`harness.judging.compare`)
+DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "optimizer_state", "param", "buffer"]
 
 #: Parameter families used to group mismatches (see `trainerkit.names.family`).
 FAMILIES = ("embedding/head", "attention", "dense mlp", "router", "experts", "shared expert", "norms", "mtp")

@@ -19,10 +19,11 @@ The default signature is derived from `first_divergence` (the reason the case gi
 the run first differs: at `s`, each allowed place and what it changes within the same step; after `s`,
 anything (the update carries any difference into every later number).  Within one step (dataflow order,
 `harness.judging.compare`): a differing loss changes the whole backward (everything at `s`); a differing gradient
-``X`` changes the grad norm, ``X``'s update and, when the runs clip, every update (the clip coefficient);
-a differing gradient of unnamed tensors changes the norm and every update; the grad norm changes every
-update (when clipping); a parameter or a buffer (the routers' expert bias) changes only itself; an inventory
-difference changes everything.
+``X`` changes the grad norm, ``X``'s Adam moments and update and, when the runs clip, every moment and update
+(the clip coefficient); a differing gradient of unnamed tensors changes the norm and every update; the grad norm
+changes every update (when clipping); a moment (kind ``optimizer_state``) changes its parameter's update; a
+parameter or a buffer (the routers' expert bias) changes only itself; an inventory difference changes
+everything.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from trainerkit import names
 
 from .compare import Comparison, Difference
+from .results import DivergenceKind
 
 #: At most this many lines of differences outside the signature are kept (then "… and N more").
 MAX_LINES = 20
@@ -44,7 +46,7 @@ class SignaturePlace(BaseModel):
     model_config = ConfigDict(extra="forbid")
     step: Optional[StrictInt] = Field(None, ge=0)
     from_step: Optional[StrictInt] = Field(None, ge=0)       # this step and every later one
-    kind: Optional[Literal["inventory", "loss", "grad", "grad_norm", "param", "buffer"]] = None
+    kind: Optional[DivergenceKind] = None
     name: Optional[str] = Field(None, max_length=300)
     family: Optional[Literal[names.FAMILIES]] = None
 
@@ -86,11 +88,17 @@ def default_signature(wants: list, step: int, clipping: bool) -> list[SignatureP
         if w.kind in ("inventory", "loss"):
             return [SignaturePlace(from_step=min(at, step))]
         if w.kind == "grad":
+            name = None if clipping or w.name is None else w.name
             places += [SignaturePlace(step=at, kind="grad", name=w.name), SignaturePlace(step=at, kind="grad_norm"),
-                       SignaturePlace(step=at, kind="param", name=None if clipping or w.name is None else w.name)]
+                       SignaturePlace(step=at, kind="optimizer_state", name=name),
+                       SignaturePlace(step=at, kind="param", name=name)]
         elif w.kind == "grad_norm":
             places += [SignaturePlace(step=at, kind="grad_norm")] + \
-                ([SignaturePlace(step=at, kind="param")] if clipping else [])
+                ([SignaturePlace(step=at, kind="optimizer_state"), SignaturePlace(step=at, kind="param")]
+                 if clipping else [])
+        elif w.kind == "optimizer_state":           # the moments step the parameter
+            places += [SignaturePlace(step=at, kind="optimizer_state", name=w.name),
+                       SignaturePlace(step=at, kind="param", name=w.name)]
         else:                                       # param or buffer
             places.append(SignaturePlace(step=at, kind=w.kind, name=w.name))
     return places

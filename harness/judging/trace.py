@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainerkit import fingerprint_shard, names
+from trainerkit.capture import OPTIMIZER_STATES
 
 RANK_FORMAT = "bitparity-rank-trace/2"
 FORMAT = "bitparity-trace/2"
@@ -37,6 +38,9 @@ class StepTrace:
     clipped: Optional[bool] = None                   # clipping triggered (coeff < 1); None when off
     grads: dict = field(default_factory=dict)        # key -> fingerprint hex
     params: dict = field(default_factory=dict)
+    # Adam's moments after the update, key -> fingerprint ({} in a trace written before they were traced)
+    exp_avg: dict = field(default_factory=dict)
+    exp_avg_sq: dict = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)
     time_s: dict = field(default_factory=dict)       # rank -> seconds
     activations: dict = field(default_factory=dict)  # "<mb>/<global key>" -> fingerprint (capture: activations)
@@ -94,7 +98,7 @@ def _record(path: Path, n: int, line: str) -> dict:
     if not isinstance(rec, dict) or rec.get("type") not in _TYPES:
         raise TraceError(f"{path}:{n}: not a trace record (a JSON object with type {'/'.join(_TYPES)})")
     if rec["type"] == "step" and (not isinstance(rec.get("step"), int) or not all(
-            isinstance(rec.get(k, {}), dict) for k in ("grads", "params", "buffers"))):
+            isinstance(rec.get(k, {}), dict) for k in ("grads", "params", "buffers", *OPTIMIZER_STATES))):
         raise TraceError(f"{path}:{n}: malformed step record (step number or fingerprint maps)")
     return rec
 
@@ -190,8 +194,8 @@ def merge(run_dir: Path, world_size: int) -> Trace:
                 _take(init, rec["params"], partials, ("init", "params"))
                 continue
             st = steps.setdefault(rec["step"], StepTrace(step=rec["step"]))
-            for part in ("grads", "params"):
-                _take(getattr(st, part), rec[part], partials, (rec["step"], part))
+            for part in ("grads", "params", *OPTIMIZER_STATES):
+                _take(getattr(st, part), rec.get(part, {}), partials, (rec["step"], part))
             if replica:
                 step = rec["step"]
                 for part, what in (("buffers", "buffer"), ("activations", "activation"), ("boundaries", "boundary"),

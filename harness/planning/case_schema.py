@@ -29,7 +29,7 @@ starts from another case and deep-merges this file's mappings over it)::
         expect: bitwise | may_diverge | diverge
         first_divergence: {step: 0, kind: grad, name: embedding.word_embeddings.weight}   # with may_diverge
                                      # (required) or diverge (optional); kinds: inventory, loss, grad, grad_norm,
-                                     # param, buffer (the routers' expert_bias); max_ulp: N bounds a loss / grad_norm first divergence; a list
+                                     # optimizer_state (Adam's moments), param, buffer (the routers' expert_bias); max_ulp: N bounds a loss / grad_norm first divergence; a list
                                      # [{...}, {...}] allows any one of several places
         signature: [{step: 0, kind: grad, name: ...}, {from_step: 1}]   # everything that may differ
                                      # (harness.judging.signature; default: derived from first_divergence)

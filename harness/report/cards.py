@@ -172,7 +172,7 @@ def ulp_section(v: VariantResult, charts: bool = True) -> Optional[dict]:
     if not rows and not error:
         return None
     fd = v.first_divergence
-    step = fd.step if fd is not None and fd.kind in ("grad", "param") else None
+    step = fd.step if fd is not None and fd.kind in ("grad", "optimizer_state", "param") else None
     worst = max((r["max_ulp_int"] for r in rows if r["max_ulp_int"] is not None), default=None)
     summary = (f"{len(rows)} differing tensor{'s' if len(rows) != 1 else ''}"
                + (f" · max {ulp_bound_words(worst)} ULP" if worst is not None else "")) if rows else ""

@@ -139,7 +139,7 @@ def family_tables(v: VariantResult) -> list[dict]:
     of which at most two can hold a buffer would otherwise add an empty panel to every card)."""
     fm = v.family_mismatches or {}
     tables = []
-    for kind in ("grad", "param", "buffer"):
+    for kind in ("grad", "optimizer_state", "param", "buffer"):
         per_step = fm.get(kind)
         if not per_step:
             continue
