@@ -118,7 +118,7 @@ def test_every_variant_passes_with_its_stated_outcome(megatron):
         assert (p1["first_divergence"]["kind"], p1["first_divergence"]["name"]) == ("grad", EMBEDDING)
     # clipping on: clipped vs unclipped differ by construction; two clipped layouts at most in the grad norm
     clipped = v["clip/pp2-vpp2-mtp-with-loss"]
-    assert clipped["outcome"] == "differs as expected" and clipped["first_divergence"]["kind"] == "param"
+    assert clipped["outcome"] == "differs as expected" and clipped["first_divergence"]["kind"] == "optimizer_state"
     assert clipped["first_divergence"]["step"] == 0
     pair = v["clip/pp4-mtp-standalone"]
     assert pair["compare_to"] == "clip/pp2-vpp2-mtp-with-loss"

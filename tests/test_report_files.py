@@ -57,7 +57,7 @@ def test_summary_dict_schema_and_values(result):
         fd = v["first_divergence"]
         if fd is not None:
             assert set(fd) == {"step", "kind", "microbatch", "name", "ulp", "canonical"}
-            assert type(fd["step"]) is int and fd["kind"] in ("loss", "grad", "grad_norm", "param")
+            assert type(fd["step"]) is int and fd["kind"] in ("loss", "grad", "grad_norm", "optimizer_state", "param")
 
     base, ok, bad, err = s["variants"]
     assert (base["verdict"], ok["verdict"], bad["verdict"], err["verdict"]) == ("pass", "pass", "fail", "error")
