@@ -179,8 +179,8 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     ddp_config = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
                                                   "use_distributed_optimizer": False,
                                                   **options.for_config(cfg, "DistributedDataParallelConfig")})
-    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
-             for i, c in enumerate(chunks)]
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=_float16(config, c),
+                                     disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(**{"optimizer": "adam", "lr": t.lr, "min_lr": t.lr, "weight_decay": t.weight_decay,
                            "adam_beta1": t.adam_beta1, "adam_beta2": t.adam_beta2, "adam_eps": t.adam_eps,
@@ -195,6 +195,17 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     config.grad_scale_func = optimizer.scale_loss
     return MegatronRank(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
                         traced=traced(optimizer, params))
+
+
+def _float16(config, chunk):
+    """Megatron-LM's ``training.get_model``: in bf16 / fp16 each chunk is wrapped in ``Float16Module``, which casts
+    every parameter (the norms' too: torch's RMSNorm of the local spec is built in fp32) and the first stage's
+    inputs to the model dtype and the last stage's outputs back to fp32.  The parameters stay the same objects
+    (``nn.Module._apply`` converts their data in place), so the global names taken from `chunk` still hold."""
+    if not (config.bf16 or config.fp16):
+        return chunk
+    from megatron.core.transformer.module import Float16Module
+    return Float16Module(config, chunk)
 
 
 def rank_fields(chunks: list, tr: Traced, strict: bool = True) -> dict:
