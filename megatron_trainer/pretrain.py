@@ -8,8 +8,8 @@ Every rank writes ``DIR/rank{r}.jsonl`` (TRACE_FORMAT.md; `pretrain_hooks`); com
 ``python pretrain_gpt.py`` would), after:
 
 * on a machine without CUDA: `compat`'s CPU points and `compat_training`'s (megatron's training loop over gloo:
-  ``--distributed-backend gloo`` is added when the arguments name no backend), torch.compile off (megatron's fused
-  helpers; 7-20 s per rank, same bits);
+  ``--distributed-backend gloo`` is added when the arguments name no backend), `compat_distopt`'s with
+  ``--use-distributed-optimizer``, torch.compile off (megatron's fused helpers; 7-20 s per rank, same bits);
 * on CUDA: `compat`'s local-spec points (megatron's local layers without Transformer Engine), nothing else;
 * the capture (`pretrain_hooks.install`).
 
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = compat.apply("cuda" if cuda else "cpu")
         points += compat_training.apply("cuda" if cuda else "cpu")
+        if not cuda and "--use-distributed-optimizer" in args.args:
+            from . import compat_distopt
+            points += compat_distopt.apply()
     except compat.CompatError as e:
         return _fail(f"bitparity capture: {e}")
     print(f"bitparity capture: {'cuda' if cuda else 'cpu'}, compat points {','.join(points)}; traces to {out}",
