@@ -131,7 +131,7 @@ verify-long: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# the suite without the megatron-core and torchrun-launch tests (~12-13 min on 2 cores), after the lint ...
+# the suite without the megatron-core and torchrun-launch tests (~6 min on an idle 2-core AMD EPYC, 2026-12-06; ~12 under load), after the lint ...
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not megatron and not torchrun" $(ARGS)
 
@@ -139,7 +139,7 @@ test: $(STAMP) lint
 test-torchrun: $(STAMP)
 	$(BIN)/python -m pytest -q -m torchrun $(ARGS)
 
-# ... and the megatron-core trainer's (~15 min on 2 cores: 14 min 40 s on 3.11, 18 min on 3.12, measured 2026-12-03;
+# ... and the megatron-core trainer's (~7 min on 3.11, ~10 on 3.12 on an idle 2-core AMD EPYC, measured 2026-12-06;
 # CI runs all three)
 test-megatron: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m megatron $(ARGS)
