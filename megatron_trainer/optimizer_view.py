@@ -61,6 +61,12 @@ def owned_ranges(optimizer) -> dict:
     return out
 
 
+def is_distributed(optimizer) -> bool:
+    """Whether megatron's `optimizer` (or one inside its ``ChainedOptimizer``) is the distributed optimizer: its
+    ranks step ranges of the parameters, and a rank may own none of them (`owned_ranges` then empty)."""
+    return any(hasattr(opt, "_get_model_param_range_map") for opt in _optimizers(optimizer))
+
+
 def master_params(optimizer) -> dict:
     """{id(model param): the fp32 tensor megatron's optimizer steps for it} where that is not the parameter
     itself: the mixed-precision optimizer's fp32 master (bf16 runs, ``fp32_from_float16_groups``), the
@@ -114,14 +120,16 @@ class Traced:
     parameter, or under the distributed optimizer those this DP rank owns a range of, tagged by its optimizer
     instance, `_instance_replica`) with their trace ``keys``, ``masters`` ({id(param): what the optimizer steps}
     where that is not the parameter, `master_params`), ``decay`` ({id(param): weight decay on}) and ``ranges``
-    ({id(param): `OwnedRange`}; empty without the distributed optimizer).  The megatron trainer and the capture
-    in Megatron-LM's own loop (`pretrain_hooks`) both trace through it."""
+    ({id(param): `OwnedRange`}), ``sharded`` (the distributed optimizer: a rank traces its ranges only, and
+    may own none).  The megatron trainer and the capture in Megatron-LM's own loop (`pretrain_hooks`) both trace
+    through it."""
 
     params: list
     keys: list
     masters: dict
     decay: dict
     ranges: dict
+    sharded: bool = False
 
     def values(self) -> list:
         """What the optimizer updates, per traced parameter: the fp32 master in bf16, the parameter itself in
@@ -132,13 +140,13 @@ class Traced:
         """The gradients the optimizer steps with, per traced parameter: ``main_grad`` after
         ``finalize_model_grads``; under the distributed optimizer only this rank's range of it is reduced (the
         reduce-scatter), so only that range, flat."""
-        return [self.ranges[id(gp.param)].of(gp.param.main_grad) if self.ranges else gp.param.main_grad
+        return [self.ranges[id(gp.param)].of(gp.param.main_grad) if self.sharded else gp.param.main_grad
                 for gp in self.params]
 
     def shards(self) -> list:
         """Where each traced tensor sits in its parameter (`Shard`, flat ranges), or None per parameter without
         the distributed optimizer."""
-        return [Shard(tuple(gp.param.shape), None, self.ranges[id(gp.param)].start) if self.ranges else None
+        return [Shard(tuple(gp.param.shape), None, self.ranges[id(gp.param)].start) if self.sharded else None
                 for gp in self.params]
 
     def states(self, optimizer) -> dict:
@@ -151,11 +159,11 @@ def traced(optimizer, params: list) -> Traced:
     distributed optimizer each DP rank steps (and traces) its own range of a parameter under the key of the copy
     its optimizer instance holds; the merge adds the ranges' partial fingerprints up to that copy's."""
     masters, decay = optimizer_view(optimizer, params)
-    ranges = owned_ranges(optimizer)
-    if ranges:
+    ranges, sharded = owned_ranges(optimizer), is_distributed(optimizer)
+    if sharded:
         params = [replace(gp, replica=_instance_replica(gp, ranges[id(gp.param)].group_size))
                   for gp in params if id(gp.param) in ranges]
-    return Traced(params, [names.replica_key(gp.name, gp.replica) for gp in params], masters, decay, ranges)
+    return Traced(params, [names.replica_key(gp.name, gp.replica) for gp in params], masters, decay, ranges, sharded)
 
 
 def _instance_replica(gp, group_size: int) -> str | None:

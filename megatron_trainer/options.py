@@ -50,6 +50,8 @@ UNSUPPORTED = {
     "microbatch_group_size_per_vp_stage": "the interleaved schedule's grouping is megatron's default (P)",
     "check_for_nan_in_grad": "megatron then stops the rank at a NaN gradient; bitparity checks finiteness itself "
                              "(a run that is not finite fails, `expect: not_finite` states a bug caught so)",
+    "use_megatron_fsdp": "megatron's FSDP fails in the ranks on CPU (DTensor parameters; measured)",
+    "use_precision_aware_optimizer": "it needs Transformer Engine's FusedAdam",
 }
 #: options that change the model's parameters: bitparity's model is DeepSeek-V3's (MLA, RMSNorm, no biases, untied
 #: head), whose global parameter names both trainers share (trainerkit.names)
@@ -224,7 +226,7 @@ def problem(cfg: RunConfig, build_transformer_config) -> Optional[str]:
     `build_transformer_config(cfg)` is the trainer's (`model.transformer_config`): megatron's
     ``__post_init__`` validators run on the config the ranks will build.  A rejection that goes away without
     the case's options is pinned on the first option that alone brings it back (else on all of them)."""
-    problem = names_problem(cfg)
+    problem = names_problem(cfg) or _distributed_optimizer_problem(cfg)
     if problem:
         return problem
     error = _build_error(cfg, build_transformer_config)
@@ -236,6 +238,31 @@ def problem(cfg: RunConfig, build_transformer_config) -> Optional[str]:
                     if _build_error(cfg.model_copy(update={"megatron": {k: v}}), build_transformer_config)), None)
     named = repr(culprit) if culprit else ", ".join(map(repr, cfg.megatron))
     return f"megatron option {named}: {error}"
+
+
+def _distributed_optimizer_problem(cfg: RunConfig) -> Optional[str]:
+    """The distributed optimizer's options that megatron-core's configs accept but Megatron-LM's arguments
+    (``training/arguments.py``) or its parallel state (``parallel_state.initialize_model_parallel``: the DP and
+    expert-DP groups split into instances) reject, in one line; None when they fit."""
+    opts, par = cfg.megatron, cfg.parallel
+    distributed = opts.get("use_distributed_optimizer", False)
+    if opts.get("overlap_param_gather") and not distributed:
+        return "megatron option 'overlap_param_gather' needs use_distributed_optimizer: true (Megatron-LM's arguments)"
+    if opts.get("overlap_param_gather") and not opts.get("overlap_grad_reduce"):
+        return ("megatron option 'overlap_param_gather' needs overlap_grad_reduce: true (Megatron-LM's arguments: "
+                "'Must use --overlap-param-gather with --overlap-grad-reduce')")
+    n = opts.get("num_distributed_optimizer_instances", 1)
+    if n < 1:
+        return f"megatron option 'num_distributed_optimizer_instances': {n} is not a number of instances (>= 1)"
+    if n > 1 and not distributed:
+        return "megatron option 'num_distributed_optimizer_instances' > 1 needs use_distributed_optimizer: true"
+    expert_dp = par.data_parallel_size // par.expert_model_parallel_size
+    for size, what in ((par.data_parallel_size, "data_parallel_size"), (expert_dp, "the expert-data-parallel size "
+                                                                       "(data_parallel_size / expert_model_parallel_size)")):
+        if size % n:
+            return (f"megatron option 'num_distributed_optimizer_instances': {n} does not divide {what} {size} "
+                    "(each instance is an equal part of the group)")
+    return None
 
 
 def _build_error(cfg: RunConfig, build_transformer_config) -> Optional[str]:

@@ -64,9 +64,9 @@ def test_places_a_run_can_produce_are_accepted(tmp_path, expect):
     ("replica_drift: {name: embedding.word_embeddings.weight@mtp, when: 1}", "replica_drift"),
     # the expert bias is a buffer: it differs as kind buffer (harness.judging.compare), never as a param or a grad
     ("expect: diverge, first_divergence: {kind: param, name: decoder.layers.3.mlp.router.expert_bias}",
-     "is a buffer (the router's expert bias: no gradient, not a parameter), not a param: write kind: buffer"),
+     "is a buffer (the router's expert bias: no gradient, not a parameter), not kind param: write kind: buffer"),
     ("expect: may_diverge, first_divergence: {kind: grad, name: decoder.layers.1.mlp.router.expert_bias}",
-     "not a grad: write kind: buffer"),
+     "not kind grad: write kind: buffer"),
     ("expect: diverge, first_divergence: {kind: buffer, name: decoder.layers.3.mlp.router.weight}",
      "kind buffer names a router's expert bias"),
     ("expect: diverge, first_divergence: {kind: buffer, name: decoder.layers.4.mlp.router.expert_bias}",

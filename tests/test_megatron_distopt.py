@@ -6,7 +6,8 @@ megatron_trainer.compat_distopt, trainerkit.fingerprint_shard):
   composes them into the fingerprints plain DDP writes (the DP = 2 runs are bitwise equal to plain DDP's);
 * ULP evidence works on sharded runs (the planted reduce-scatter's gradient differences measured from the dumps'
   shards put back together);
-* with two optimizer instances each instance's copy is a replica, checked against the first;
+* with two optimizer instances each instance's copy is a replica, checked against the first; a DP rank whose
+  ranges are all padding traces nothing;
 * planted in a copy of megatron (run as --megatron-head), each caught where it breaks things: a reduce-scatter
   that drops one DP rank's gradients fails at a step-0 gradient; overlap_param_gather whose forward pre-hook
   does not wait for (or start) the parameter all-gather fails at step 1's first loss, the first forward that
@@ -76,6 +77,17 @@ def test_distributed_optimizer_runs_trace_shards_that_compose_to_plain_ddps_fing
     assert sorted(keys) == sorted(sharded["order"])
     for a, b in zip(plain["steps"], sharded["steps"]):
         assert all(a["grads"][k] == b["grads"][k] and a["params"][k] == b["params"][k] for k in keys)
+
+
+def test_a_dp_rank_that_owns_no_range_traces_nothing(distopt):
+    """pad_buckets_for_high_nccl_busbw pads each bucket to 2^16 elements: at this size one DP rank's half of a
+    bucket is all padding.  That rank steps no parameter and traces none (not whole tensors as plain DDP's
+    replicas would be); the run is bitwise equal to plain DDP."""
+    _, v, runs = distopt
+    assert v["distopt-p2v2-dp2-padded"]["outcome"] == "equal"
+    headers = [rec for _, rec in _rank_records(runs / "distopt-p2v2-dp2-padded") if rec.get("type") == "header"]
+    assert any(h["params"] == [] for h in headers), [len(h["params"]) for h in headers]
+    assert all("shard" in p for h in headers for p in h["params"])
 
 
 def test_two_optimizer_instances_are_replicas_checked_against_each_other(distopt):

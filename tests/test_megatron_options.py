@@ -84,6 +84,17 @@ def _header(out, name: str) -> dict:
     ("normalization: LayerNorm", ["'normalization'", "changes the model's parameters"]),
     ("moe_router_load_balancing_type: sinkhorn", ["sinkhorn", "moe_aux_loss_coeff: 0"]),
     (f"moe_z_loss_coeff: '{'x' * 500}'", ["'moe_z_loss_coeff'", "..."]),
+    # the distributed optimizer's: megatron's configs take them, Megatron-LM's arguments or its parallel state
+    # refuse them (each crashed every rank, or passed as nonsense, before it was checked here)
+    ("use_distributed_optimizer: true, num_distributed_optimizer_instances: 3",
+     ["'num_distributed_optimizer_instances'", "does not divide data_parallel_size 1"]),
+    ("use_distributed_optimizer: true, num_distributed_optimizer_instances: 0", ["'num_distributed_optimizer_instances'",
+                                                                                 "(>= 1)"]),
+    ("num_distributed_optimizer_instances: 2", ["needs use_distributed_optimizer: true"]),
+    ("overlap_param_gather: true", ["'overlap_param_gather'", "needs use_distributed_optimizer: true"]),
+    ("use_distributed_optimizer: true, overlap_param_gather: true", ["'overlap_param_gather'",
+                                                                     "needs overlap_grad_reduce: true"]),
+    ("use_megatron_fsdp: true", ["'use_megatron_fsdp'", "not supported by bitparity's megatron trainer"]),
 ])
 def test_a_bad_option_is_one_line_naming_it(tmp_path, option, fragments):
     """Refused by the case's validation, before anything runs; each of these (but the misspelling and the types)

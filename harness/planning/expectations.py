@@ -111,7 +111,7 @@ def _check_place(at: str, place, step_fields: tuple, model: ModelConfig, trainin
     # a buffer differs as kind buffer only (harness.judging.compare): under another kind its name could never match
     if kind in ("grad", "optimizer_state", "param", "inventory") and names.is_buffer(name):
         raise UsageError(f"{at}.name {name!r} is a buffer (the router's expert bias: no gradient, not a "
-                         f"parameter), not a {kind}: write kind: buffer")
+                         f"parameter), not kind {kind}: write kind: buffer")
     if kind == "buffer" and not names.is_buffer(name):
         raise UsageError(f"{at}.name {name!r}: kind buffer names a router's expert bias "
                          "(e.g. decoder.layers.3.mlp.router.expert_bias)")
