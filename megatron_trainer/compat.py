@@ -315,6 +315,12 @@ def _cpu_plumbing() -> None:
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = namespace[clip.__name__]
 
 
+#: the CUDA tensor type names megatron's optimizers sort parameters by, and the CPU names they stand for: the
+#: `recompile` replacements of points B1 (compat_overlap) and D1 (compat_distopt)
+CUDA_TYPES = (("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", "['torch.HalfTensor', 'torch.BFloat16Tensor']"),
+              ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'"))
+
+
 def recompile(cls, name: str, replacements, module) -> None:
     """Replace method `name` of megatron's `cls` by the same method compiled from megatron's own source with
     `replacements` ((old, new) text pairs) applied, in `module`'s globals (where it was defined): the compat

@@ -9,7 +9,7 @@ written for (`compat._require`); it changes no computation.
   names (``__init__``: which parameters get an fp32 main copy; ``_build_model_and_main_param_groups``: which
   shard groups they join, anything else raising "Wrapped parameters must be one of torch.cuda.FloatTensor, ..."):
   the methods that compare against them, recompiled from megatron's own source with the CPU type names
-  (`compat_overlap.CUDA_TYPES`, as point B1 does for the plain mixed-precision optimizer).  Its collectives
+  (`compat.CUDA_TYPES`, as point B1 does for the plain mixed-precision optimizer).  Its collectives
   (``reduce_scatter_tensor`` of the gradient buckets, ``all_gather_into_tensor`` of the parameters) run on
   gloo as they are.
 """
@@ -19,7 +19,6 @@ import inspect
 import textwrap
 
 from . import compat
-from .compat_overlap import CUDA_TYPES
 
 POINTS = ("D1",)
 
@@ -34,7 +33,7 @@ def _comparing(cls) -> list[str]:
     out = []
     for name, member in vars(cls).items():
         fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
-        if inspect.isfunction(fn) and any(cuda in compat._source(fn) for cuda, _ in CUDA_TYPES):
+        if inspect.isfunction(fn) and any(cuda in compat._source(fn) for cuda, _ in compat.CUDA_TYPES):
             out.append(name)
     return out
 
@@ -55,8 +54,8 @@ def apply() -> tuple:
     for name in methods:
         member = vars(cls)[name]
         source = textwrap.dedent(compat._source(member.__func__ if isinstance(member, classmethod) else member))
-        counts = [source.count(cuda) for cuda, _ in CUDA_TYPES]
+        counts = [source.count(cuda) for cuda, _ in compat.CUDA_TYPES]
         compat._require(counts[0] == 1 and counts[1] <= 1, "D1",
                         f"DistributedOptimizer.{name} compares parameter types with CUDA names {counts} times")
-        compat.recompile(cls, name, CUDA_TYPES, dopt)
+        compat.recompile(cls, name, compat.CUDA_TYPES, dopt)
     return ("D1",)

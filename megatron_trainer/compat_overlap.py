@@ -96,11 +96,6 @@ def apply() -> tuple:
     return tuple(applied)
 
 
-#: the CUDA tensor type names megatron's optimizers sort parameters by, and the CPU names they stand for (B1, D1)
-CUDA_TYPES = (("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", "['torch.HalfTensor', 'torch.BFloat16Tensor']"),
-              ("== 'torch.cuda.FloatTensor'", "== 'torch.FloatTensor'"))
-
-
 def apply_bf16() -> tuple:
     """B1: megatron's mixed-precision optimizer accepts CPU parameters.  Call after `compat.apply`, before the
     optimizer is built.
@@ -111,10 +106,10 @@ def apply_bf16() -> tuple:
 
     cls = mopt.Float16OptimizerWithFloat16Params
     source = textwrap.dedent(compat._source(cls.__init__))
-    if not compat._needed(CUDA_TYPES[0][0] in source, "B1",
+    if not compat._needed(compat.CUDA_TYPES[0][0] in source, "B1",
                           "Float16OptimizerWithFloat16Params no longer checks CUDA type names"):
         return ()
-    compat._require(all(source.count(cuda) == 1 for cuda, _ in CUDA_TYPES) and "super().__init__" in source, "B1",
+    compat._require(all(source.count(cuda) == 1 for cuda, _ in compat.CUDA_TYPES) and "super().__init__" in source, "B1",
                     "Float16OptimizerWithFloat16Params.__init__ no longer checks each type name once")
-    compat.recompile(cls, "__init__", CUDA_TYPES, mopt)
+    compat.recompile(cls, "__init__", compat.CUDA_TYPES, mopt)
     return ("B1",)

@@ -67,16 +67,17 @@ def is_distributed(optimizer) -> bool:
     return any(hasattr(opt, "_get_model_param_range_map") for opt in _optimizers(optimizer))
 
 
-def master_params(optimizer) -> dict:
+def master_params(optimizer, ranges: dict | None = None) -> dict:
     """{id(model param): the fp32 tensor megatron's optimizer steps for it} where that is not the parameter
     itself: the mixed-precision optimizer's fp32 master (bf16 runs, ``fp32_from_float16_groups``), the
-    distributed optimizer's fp32 shard (`owned_ranges`); empty for the plain fp32 optimizer."""
+    distributed optimizer's fp32 shard (`owned_ranges`, or `ranges` when the caller has them); empty for the
+    plain fp32 optimizer."""
     out = {}
     for opt in _optimizers(optimizer):
         for model_group, main_group in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
             for p, main in zip(model_group, main_group):
                 out[id(p)] = main
-    out.update({k: r.main for k, r in owned_ranges(optimizer).items()})
+    out.update({k: r.main for k, r in (owned_ranges(optimizer) if ranges is None else ranges).items()})
     return out
 
 
@@ -86,12 +87,13 @@ def weight_decay_groups(optimizer) -> dict:
     return {id(p): group["weight_decay"] > 0 for group in optimizer.param_groups for p in group["params"]}
 
 
-def optimizer_view(optimizer, params: list) -> tuple[dict, dict]:
+def optimizer_view(optimizer, params: list, ranges: dict | None = None) -> tuple[dict, dict]:
     """What megatron's optimizer does with each of `params` (GlobalParam): ({id(param): what it steps} where that
     is not the parameter, `master_params`; {id(param): weight decay on}, from the group of what it steps,
     `weight_decay_groups`; a parameter no group holds — frozen in a user's model, or under the distributed
-    optimizer owned by another DP rank — is not decayed here)."""
-    masters = master_params(optimizer)
+    optimizer owned by another DP rank — is not decayed here).  `ranges`: `owned_ranges`, when the caller has
+    them."""
+    masters = master_params(optimizer, ranges)
     decay = weight_decay_groups(optimizer)
     return masters, {id(gp.param): decay.get(id(masters.get(id(gp.param), gp.param)), False) for gp in params}
 
@@ -158,8 +160,8 @@ def traced(optimizer, params: list) -> Traced:
     """`Traced` of this rank's `params` (`model.global_parameters`) under megatron's built `optimizer`.  Under the
     distributed optimizer each DP rank steps (and traces) its own range of a parameter under the key of the copy
     its optimizer instance holds; the merge adds the ranges' partial fingerprints up to that copy's."""
-    masters, decay = optimizer_view(optimizer, params)
     ranges, sharded = owned_ranges(optimizer), is_distributed(optimizer)
+    masters, decay = optimizer_view(optimizer, params, ranges)
     if sharded:
         params = [replace(gp, replica=_instance_replica(gp, ranges[id(gp.param)].group_size))
                   for gp in params if id(gp.param) in ranges]

@@ -156,9 +156,9 @@ def _reinitialise(params: list, optimizer, args, seed: int) -> None:
     cfg = SimpleNamespace(init_method_std=args.init_method_std, num_layers=args.num_layers,
                           moe_router_init_method_std=None)
     init_parameters(((gp.name, gp.param) for gp in params), cfg, seed)
-    ranges = optimizer_view.owned_ranges(optimizer)
+    ranges, masters = optimizer_view.owned_ranges(optimizer), optimizer_view.master_params(optimizer)
     for gp in params:
-        master = optimizer_view.master_params(optimizer).get(id(gp.param))
+        master = masters.get(id(gp.param))
         if master is None:
             continue
         r = ranges.get(id(gp.param))

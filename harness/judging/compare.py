@@ -221,7 +221,7 @@ def compare(base: Trace, other: Trace) -> Comparison:
                     first = FirstDivergence(bs.step, "grad_norm", None, "grad norm",
                                             f"grad norm {bh} vs {oh}{_ulp_words(norm_ulps[-1], bh)}",
                                             ulp=norm_ulps[-1], ulp_bits=_bits(bh) if norm_ulps[-1] is not None else None)
-        states = [k for k in keys if _state_differs(bs, os_, k)]
+        states = [k for k in keys if _moments_differing(bs, os_, k)]
         diffs += [Difference(bs.step, "optimizer_state", k) for k in states]
         counts["optimizer_state"].append(_per_family(states, families))
         if states and first is None:
@@ -249,17 +249,17 @@ def compare(base: Trace, other: Trace) -> Comparison:
                       inventory=inventory, grad_norm_ulps=norm_ulps, differences=diffs)
 
 
-def _state_differs(a, b, key: str) -> bool:
-    """Whether Adam's moments of `key` differ between two steps; a moment one trace lacks (written before they
-    were traced, or by a capture that cannot read them) is not compared."""
-    return any(getattr(a, n).get(key) != getattr(b, n).get(key) for n in OPTIMIZER_STATES
-               if key in getattr(a, n) and key in getattr(b, n))
+def _moments_differing(a, b, key: str) -> list[str]:
+    """The Adam moments (`OPTIMIZER_STATES` names) of `key` that differ between two steps; a moment one trace
+    lacks (written before they were traced, or by a capture that cannot read them) is not compared."""
+    return [n for n in OPTIMIZER_STATES
+            if key in getattr(a, n) and key in getattr(b, n) and getattr(a, n)[key] != getattr(b, n)[key]]
 
 
 def _state_words(a, b, key: str) -> str:
     """'exp_avg fingerprint X vs Y' for each moment of `key` that differs."""
-    return "; ".join(f"{n} fingerprint {getattr(a, n)[key]} vs {getattr(b, n)[key]}" for n in OPTIMIZER_STATES
-                     if key in getattr(a, n) and key in getattr(b, n) and getattr(a, n)[key] != getattr(b, n)[key])
+    return "; ".join(f"{n} fingerprint {getattr(a, n)[key]} vs {getattr(b, n)[key]}"
+                     for n in _moments_differing(a, b, key))
 
 
 def _per_family(keys: list, families: dict) -> dict:

@@ -57,4 +57,3 @@ def collect(ref_cfg: RunConfig, cfg: RunConfig, ref: Trace, other: Trace, step: 
                 if stats["differing"]:
                     rows.append({"key": key, "what": what, **stats})
     return rows
-
