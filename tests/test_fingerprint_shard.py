@@ -237,3 +237,50 @@ def test_merge_refuses_partials_that_do_not_tile(tmp_path, plant, words):
     with pytest.raises(TraceError, match=r"^init params w \(ranks \[0, 1\]\): " + re.escape(words) if
                        "held" in words else r"^init params w: " + re.escape(words)):
         merge(run, 2)
+
+
+@st.composite
+def nested_tilings(draw):
+    """(tensor, [(local, Shard)]): a random tensor whose dim `dim` is split over 1-4 tensor-parallel ranks as a
+    gated MLP's ``linear_fc1`` is (each rank holds rows r of the gate half and rows r of the up half, stacked),
+    and each rank's slice, read flat, cut again into 1-3 distributed-optimizer ranges (``within``)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    tp = draw(st.integers(1, 4))
+    rows = draw(st.integers(1, 3)) * tp          # per half: each TP rank holds rows / tp of it
+    rest = tuple(draw(st.lists(st.integers(1, 5), max_size=2)))
+    dim = draw(st.integers(0, len(rest)))
+    shape = rest[:dim] + (2 * rows,) + rest[dim:]
+    t = _random(dtype, shape, draw(st.integers(0, 2 ** 16)))
+    shards, per = [], rows // tp
+    for r in range(tp):
+        pieces = ((r * per, per), (rows + r * per, per))
+        local = torch.cat([t.narrow(dim, o, n) for o, n in pieces], dim=dim).contiguous()
+        cuts = sorted(set(draw(st.lists(st.integers(0, local.numel()), max_size=2)) + [0, local.numel()]))
+        for a, b in zip(cuts, cuts[1:]):
+            shards.append((local.reshape(-1)[a:b], Shard(shape, dim, pieces[0][0], pieces, (a, b))))
+    return t, draw(st.permutations(shards))
+
+
+@settings(max_examples=200, deadline=None)
+@given(nested_tilings())
+def test_ranges_of_two_piece_tp_slices_combine_and_assemble_to_the_whole(case):
+    t, shards = case
+    parts = json.loads(json.dumps(partial_many([loc for loc, _ in shards], [s for _, s in shards])))
+    assert combine(parts) == fingerprint(t)
+    whole = assemble(shards)
+    if t.dtype != torch.bool:
+        assert torch.equal(whole.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    for _, s in shards:        # the dump's name of a shard reads back as the same shard
+        assert Shard.from_tag(s.global_shape, s.tag()) == s
+        assert Shard.from_record(s.global_shape, s.record()) == s
+
+
+def test_a_tp_slice_at_the_wrong_piece_offset_is_another_fingerprint():
+    """Planted: the up half of rank 1's fc1 slice fingerprinted as if it sat right after the gate half."""
+    t = _random(torch.float32, (8, 3), 4)
+    good = [Shard((8, 3), 0, 0, ((0, 2), (4, 2))), Shard((8, 3), 0, 2, ((2, 2), (6, 2)))]
+    locals_ = [torch.cat([t[o:o + n] for o, n in s.pieces]) for s in good]
+    assert combine(partial_many(locals_, good)) == fingerprint(t)
+    bad = [good[0], Shard((8, 3), 0, 2, ((2, 2), (4, 2)))]
+    with pytest.raises(ShardError, match="held by two shards"):
+        combine(partial_many(locals_, bad))

@@ -64,14 +64,14 @@ def param_entry(key: str, name: str, replica: Optional[str], tensor: torch.Tenso
     training loop), any name gets a family and a canonical place (`names.family`, `names.order_key`).
     `shard`: this rank holds only that part of the parameter (`trainerkit.fingerprint_shard.Shard`; the
     distributed optimizer's range, a tensor-parallel slice): ``shape`` is then the global shape and the entry
-    gets ``shard: {dim, offset}``, and `RankCapture` writes partial records for the key (TRACE_FORMAT.md
+    gets ``shard: {dim, offset[, pieces, within]}``, and `RankCapture` writes partial records for the key (TRACE_FORMAT.md
     "Sharded tensors")."""
     entry = {"key": key, "name": name, "replica": replica,
              "shape": list(shard.global_shape if shard is not None else tensor.shape),
              "dtype": str(tensor.dtype).replace("torch.", ""), "family": names.family(name, strict=strict),
              "weight_decay": weight_decay, "order": list(names.order_key(name, strict=strict))}
     if shard is not None:
-        entry["shard"] = {"dim": shard.dim, "offset": int(shard.offset)}
+        entry["shard"] = shard.record()
     return entry
 
 
@@ -364,14 +364,13 @@ def dump_tensors(dump, items: Iterable, prefix: str, shards: Optional[list] = No
     ``max_bytes``) asks for, in order, until ``max_bytes`` would be exceeded: one rank's share of
     ``rank{r}.dump.safetensors`` (``grad/<key>``, ``param/<key>``; TRACE_FORMAT.md).  `shards`: a
     `trainerkit.fingerprint_shard.Shard` or None per item; a sharded item is this rank's part, stored as
-    ``prefix/key#offset`` (flat range) or ``prefix/key#d<dim>:<offset>`` (slice), which `read_dumps` puts
-    together."""
+    ``prefix/key#<Shard.tag()>`` (``#offset`` for a flat range, ``#d<dim>:<offset>`` for a slice), which
+    `read_dumps` puts together."""
     out, used = {}, 0
     for (key, t), shard in zip(items, shards if shards is not None else itertools.repeat(None)):
         size = t.numel() * t.element_size()
         if dump.wants(key) and used + size <= dump.max_bytes:
-            name = f"{prefix}/{key}" if shard is None else \
-                f"{prefix}/{key}#{shard.offset}" if shard.dim is None else f"{prefix}/{key}#d{shard.dim}:{shard.offset}"
+            name = f"{prefix}/{key}" if shard is None else f"{prefix}/{key}#{shard.tag()}"
             out[name] = t.detach().cpu().clone().contiguous()
             used += size
     return out
@@ -395,10 +394,8 @@ def read_dumps(run_dir: Path, shapes: dict) -> dict:
             if not where:
                 whole[name] = t
                 continue
-            dim, _, offset = where[1:].partition(":") if where.startswith("d") else (None, "", where)
             key = base.split("/", 1)[1]
-            pieces.setdefault(base, []).append(
-                (t, Shard(tuple(shapes[key]), None if dim is None else int(dim), int(offset))))
+            pieces.setdefault(base, []).append((t, Shard.from_tag(tuple(shapes[key]), where)))
     for base, parts in pieces.items():
         try:
             whole[base] = assemble(parts)

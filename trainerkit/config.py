@@ -237,6 +237,14 @@ class ParallelConfig(_Strict):
     # pp_rank * DP + dp_rank (Megatron's order at TP = CP = 1); DP rank d trains global microbatch m * DP + d
     # of each step.  Megatron carves EP out of DP: EP divides DP, EP rank = dp_rank % EP.
     data_parallel_size: int = Field(1, ge=1, le=64)
+    # TP (megatron-core trainer only): each matrix split over this many ranks (megatron.core.tensor_parallel),
+    # world = P x TP x DP, global rank = (pp_rank * DP + dp_rank) * TP + tp_rank (Megatron's order tp-cp-ep-dp-pp);
+    # sequence_parallel: the norms' and the MoE layers' activations split along the sequence over the TP ranks;
+    # expert_tensor_parallel_size: each routed expert split over this many ranks (None: TP, as Megatron-LM's
+    # arguments default it); the expert grid ETP x EP x expert-DP covers the same TP x DP ranks
+    tensor_model_parallel_size: int = Field(1, ge=1, le=64)
+    sequence_parallel: bool = False
+    expert_tensor_parallel_size: Optional[int] = Field(None, ge=1, le=64)
     # Megatron's 1F1B overlap: forward of one microbatch and backward of another run merged, node by node
     # (model/plan.py); delay_wgrad_compute: weight gradients of attention / experts / eh_proj run after the
     # input gradients of their node (model/linear.py)
@@ -248,10 +256,16 @@ class ParallelConfig(_Strict):
 
     @property
     def world_size(self) -> int:
-        """Processes of one run: P x DP on the megatron-core trainer (EP divides DP), P x EP on the reference
-        trainer (DP = 1, its EP ranks share their microbatches); global rank = pp_rank * (DP or EP) + (dp_rank or
-        ep_rank), Megatron's order with TP = CP = 1."""
-        return self.pipeline_model_parallel_size * max(self.data_parallel_size, self.expert_model_parallel_size)
+        """Processes of one run: P x TP x DP on the megatron-core trainer (ETP x EP divides TP x DP), P x EP on
+        the reference trainer (TP = DP = 1, its EP ranks share their microbatches); global rank =
+        (pp_rank * (DP or EP) + (dp_rank or ep_rank)) * TP + tp_rank, Megatron's order with CP = 1."""
+        return self.pipeline_model_parallel_size * max(self.tensor_model_parallel_size * self.data_parallel_size,
+                                                       self.expert_model_parallel_size)
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """ETP as megatron runs it: the given one, else TP (Megatron-LM's ``--expert-tensor-parallel-size``)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
 
 def check_expert_parallel(model: ModelConfig, training: TrainingConfig, parallel: ParallelConfig) -> None:
@@ -261,6 +275,19 @@ def check_expert_parallel(model: ModelConfig, training: TrainingConfig, parallel
         ValueError: one line naming the violated rule.
     """
     ep, dp = parallel.expert_model_parallel_size, parallel.data_parallel_size
+    tp, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel
+    if parallel.sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel splits activations over the tensor-parallel ranks: it needs "
+                         "tensor_model_parallel_size > 1")
+    if tp > 1 or etp > 1:       # megatron's expert grid: ETP x EP x expert-DP over the same ranks as TP x DP
+        if (tp * dp) % (etp * ep):
+            raise ValueError(f"expert_tensor_parallel_size x expert_model_parallel_size = {etp} x {ep} does not "
+                             f"divide tensor_model_parallel_size x data_parallel_size = {tp} x {dp} (megatron's "
+                             "expert grid covers the same ranks)")
+        if model.num_moe_experts % ep:
+            raise ValueError(f"num_moe_experts={model.num_moe_experts} is not divisible by "
+                             f"expert_model_parallel_size={ep} (each EP rank owns num_moe_experts/EP experts)")
+        return
     if model.num_moe_experts % ep:
         raise ValueError(f"num_moe_experts={model.num_moe_experts} is not divisible by "
                          f"expert_model_parallel_size={ep} (each EP rank owns num_moe_experts/EP experts)")

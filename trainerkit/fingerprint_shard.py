@@ -49,20 +49,67 @@ class Shard:
     """Where a local tensor sits in a global one of shape `global_shape` (module docstring).
 
     dim: the split dim (`local.shape` equals `global_shape` but along it), or None for a flat range.
-    offset: the local tensor's first index along `dim`, or its first element in the flattened global tensor."""
+    offset: the local tensor's first index along `dim`, or its first element in the flattened global tensor.
+    pieces: along `dim`, the local tensor is these slices ``(offset, size)`` of the global one stacked in order
+        (a gated MLP's ``linear_fc1`` under TP holds ``[gate_r; up_r]``, megatron/core/transformer/mlp.py
+        ``apply_swiglu_sharded_factory``); empty: one slice at `offset`.
+    within: ``(start, end)``: the local tensor is only that flat range of the dim-split slice (the distributed
+        optimizer's range of a TP shard, `megatron.core.optimizer.distrib_optimizer`); needs `pieces` (the
+        slice's sizes cannot be read off a flat range)."""
 
     global_shape: tuple
     dim: Optional[int] = None
     offset: int = 0
+    pieces: tuple = ()
+    within: Optional[tuple] = None
+
+    def slices(self, size: int) -> tuple:
+        """((offset, size), ...) along `dim` of the dim-split slice whose local size along `dim` is `size`."""
+        return tuple((int(o), int(n)) for o, n in self.pieces) or ((int(self.offset), int(size)),)
+
+    def record(self) -> dict:
+        """The JSON fields of this shard in a trace (``dim``, ``offset``, and ``pieces`` / ``within`` when set)."""
+        out = {"dim": self.dim, "offset": int(self.offset)}
+        if self.pieces:
+            out["pieces"] = [list(p) for p in self.slices(0)]
+        if self.within is not None:
+            out["within"] = [int(x) for x in self.within]
+        return out
+
+    @classmethod
+    def from_record(cls, global_shape, rec: dict) -> "Shard":
+        """The shard of a trace's JSON fields (`record`, or a partial fingerprint record)."""
+        return cls(tuple(int(n) for n in global_shape), rec.get("dim"), int(rec.get("offset", 0)),
+                   tuple(tuple(int(x) for x in p) for p in rec.get("pieces") or ()),
+                   tuple(int(x) for x in rec["within"]) if rec.get("within") is not None else None)
+
+    def tag(self) -> str:
+        """A short text of the shard for a dump's tensor name (``#<tag>``, `from_tag`)."""
+        if self.dim is None:
+            return str(int(self.offset))
+        text = f"d{self.dim}:" + ("+".join(f"{o}/{n}" for o, n in self.slices(0)) if self.pieces else str(self.offset))
+        return text + (f":r{self.within[0]}-{self.within[1]}" if self.within is not None else "")
+
+    @classmethod
+    def from_tag(cls, global_shape, tag: str) -> "Shard":
+        """The shard `tag` names (ValueError on a malformed one)."""
+        if not tag.startswith("d"):
+            return cls(tuple(global_shape), None, int(tag))
+        dim, where, *rest = tag[1:].split(":")
+        pieces = tuple(tuple(int(x) for x in p.split("/")) for p in where.split("+")) if "/" in where else ()
+        within = tuple(int(x) for x in rest[0][1:].split("-")) if rest else None
+        return cls(tuple(global_shape), int(dim), int(where) if not pieces else pieces[0][0], pieces, within)
 
 
-def _runs(global_shape: tuple, dim: Optional[int], offset: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(first element, element count) of each contiguous run, in the flattened global tensor, of the shard
-    ``dim`` / ``offset`` / ``size`` (int64 arrays, runs in the local tensor's C order).
+def _runs(shard: Shard, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first element, element count) of each contiguous run, in the flattened global tensor, of `shard` whose
+    local size is `size` (along its dim; its numel for a flat range), as int64 arrays in the local tensor's C
+    order (with ``within``: the runs of that flat range of the slice).
 
     Raises:
         ShardError: the shard is not inside the global tensor."""
-    shape = tuple(int(n) for n in global_shape)
+    shape = tuple(int(n) for n in shard.global_shape)
+    dim, offset = shard.dim, int(shard.offset)
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if dim is None:
         if offset < 0 or size < 0 or offset + size > numel:
@@ -70,12 +117,25 @@ def _runs(global_shape: tuple, dim: Optional[int], offset: int, size: int) -> tu
         return np.array([offset], dtype=np.int64), np.array([size], dtype=np.int64)
     if not 0 <= dim < len(shape):
         raise ShardError(f"shard dim {dim} of a {len(shape)}-dim tensor {list(shape)}")
-    if offset < 0 or size < 0 or offset + size > shape[dim]:
-        raise ShardError(f"shard [{offset}, {offset + size}) along dim {dim} is outside its size {shape[dim]}")
+    slices = shard.slices(size)
+    for o, n in slices:
+        if o < 0 or n < 0 or o + n > shape[dim]:
+            raise ShardError(f"shard [{o}, {o + n}) along dim {dim} is outside its size {shape[dim]}")
     outer = int(np.prod(shape[:dim], dtype=np.int64))
     inner = int(np.prod(shape[dim + 1:], dtype=np.int64))
-    starts = np.arange(outer, dtype=np.int64) * (shape[dim] * inner) + offset * inner
-    return starts, np.full(outer, size * inner, dtype=np.int64)
+    base = np.arange(outer, dtype=np.int64)[:, None] * (shape[dim] * inner)
+    starts = (base + np.array([o * inner for o, _ in slices], dtype=np.int64)[None, :]).reshape(-1)
+    counts = np.tile(np.array([n * inner for _, n in slices], dtype=np.int64), outer)
+    if shard.within is None:
+        return starts, counts
+    lo, hi = (int(x) for x in shard.within)
+    ends = np.cumsum(counts)
+    firsts = ends - counts                   # each run's first position in the local slice, flat
+    if not 0 <= lo <= hi <= (int(ends[-1]) if len(ends) else 0):
+        raise ShardError(f"range [{lo}, {hi}) is outside a slice of {int(ends[-1]) if len(ends) else 0} elements")
+    a, b = np.maximum(firsts, lo), np.minimum(ends, hi)
+    keep = b > a
+    return (starts + (a - firsts))[keep], (b - a)[keep]
 
 
 def _local_size(local: torch.Tensor, shard: Shard) -> int:
@@ -88,9 +148,18 @@ def _local_size(local: torch.Tensor, shard: Shard) -> int:
         return local.numel()
     if not 0 <= shard.dim < len(g):
         raise ShardError(f"shard dim {shard.dim} of a {len(g)}-dim tensor {list(g)}")
+    if shard.within is not None:
+        if not shard.pieces:
+            raise ShardError("a range within a dim slice needs the slice's pieces")
+        if local.numel() != shard.within[1] - shard.within[0]:
+            raise ShardError(f"{local.numel()} elements in a range [{shard.within[0]}, {shard.within[1]})")
+        return sum(n for _, n in shard.slices(0))
     want = g[:shard.dim] + (local.shape[shard.dim] if local.dim() > shard.dim else -1,) + g[shard.dim + 1:]
     if local.dim() != len(g) or tuple(local.shape) != want:
         raise ShardError(f"local shape {list(local.shape)} is not a slice along dim {shard.dim} of {list(g)}")
+    if shard.pieces and sum(n for _, n in shard.slices(0)) != local.shape[shard.dim]:
+        raise ShardError(f"pieces {list(shard.slices(0))} do not make local size {local.shape[shard.dim]} along "
+                         f"dim {shard.dim}")
     return local.shape[shard.dim]
 
 
@@ -133,7 +202,7 @@ def partial_many(tensors: list, shards: list) -> list[dict]:
         s = sums[k] if sums[k] is not None else _host_sum(raw, p)
         edges = [[int(j), int(lo), raw[l0:l1].tobytes().hex()] for j, lo, l0, l1 in p["edge_spans"]]
         out.append({"partial": FORMAT, "dtype": str(t.dtype), "shape": [int(n) for n in p["shape"]],
-                    "dim": p["dim"], "offset": p["offset"], "size": p["size"], "sum": f"{s:016x}", "edges": edges})
+                    **p["shard"], "size": p["size"], "sum": f"{s:016x}", "edges": edges})
     return out
 
 
@@ -144,7 +213,7 @@ def _plan(local: torch.Tensor, shard: Shard) -> dict:
     if esize not in (1, 2, 4, 8):
         raise TypeError(f"fingerprint: unsupported element size {esize} bytes ({local.dtype})")
     size = _local_size(local, shard)
-    starts, counts = _runs(tuple(shard.global_shape), shard.dim, int(shard.offset), size)
+    starts, counts = _runs(shard, size)
     numel = int(np.prod(shard.global_shape, dtype=np.int64)) if len(shard.global_shape) else 1
     b0, b1, l0, a, e = _pieces(starts, counts, esize, numel * esize)
     inner = e > a
@@ -156,7 +225,7 @@ def _plan(local: torch.Tensor, shard: Shard) -> dict:
     tail = np.maximum(e, a)                  # ... and after its last (tail is a multiple of 8)
     for r in np.nonzero(b1 > tail)[0]:
         spans.append((int(tail[r] // 8), 0, int(l0[r] + tail[r] - b0[r]), int(l0[r] + b1[r] - b0[r])))
-    return {"shape": tuple(shard.global_shape), "dim": shard.dim, "offset": int(shard.offset), "size": int(size), "interiors": interiors,
+    return {"shape": tuple(shard.global_shape), "shard": shard.record(), "size": int(size), "interiors": interiors,
             "edge_spans": sorted(spans), "local_bytes": local.numel() * esize}
 
 
@@ -229,7 +298,7 @@ def combine(partials: list[dict]) -> int:
     starts, counts, total = [], [], 0
     words: dict[int, int] = {}
     for p in partials:
-        s, c = _runs(shape, p["dim"], int(p["offset"]), int(p["size"]))
+        s, c = _runs(Shard.from_record(shape, p), int(p["size"]))
         starts.append(s)
         counts.append(c)
         total = (total + int(p["sum"], 16)) % 2 ** 64
@@ -269,7 +338,7 @@ def place(whole: torch.Tensor, local: torch.Tensor, shard: Shard) -> None:
 
     Raises:
         ShardError: `local` does not fit `shard`."""
-    starts, counts = _runs(tuple(shard.global_shape), shard.dim, int(shard.offset), _local_size(local, shard))
+    starts, counts = _runs(shard, _local_size(local, shard))
     flat, src, at = whole.view(-1), local.detach().reshape(-1).to(whole.dtype), 0
     for s, c in zip(starts.tolist(), counts.tolist()):
         flat[s:s + c] = src[at:at + c]
@@ -288,7 +357,7 @@ def assemble(pieces: list[tuple[torch.Tensor, Shard]]) -> torch.Tensor:
     whole = torch.empty(shape, dtype=pieces[0][0].dtype)
     starts, counts = [], []
     for local, shard in pieces:
-        s, c = _runs(shape, shard.dim, int(shard.offset), _local_size(local, shard))
+        s, c = _runs(shard, _local_size(local, shard))
         starts.append(s)
         counts.append(c)
         place(whole, local, shard)

@@ -147,14 +147,14 @@ def compare_to_cycle(refs: Mapping[str, Optional[str]]) -> Optional[list[str]]:
 
 
 def check_run_size(where: str, pp: int, ep: int, vpp: Optional[int] = None, microbatches: Optional[int] = None) -> None:
-    """Bound the rank processes (P x `ep`: the larger of EP and DP) and, given V and M, the schedule length (P x V x M).
+    """Bound the rank processes (P x `ep`: the larger of EP and TP x DP) and, given V and M, the schedule length (P x V x M).
 
     Raises:
         UsageError: one line prefixed by `where`, naming the keys, their product and the limit.
     """
     if pp * ep > MAX_WORLD_SIZE:
         raise UsageError(f"{where}: pipeline_model_parallel_size x max(expert_model_parallel_size, "
-                         f"data_parallel_size) = {pp} x {ep} = {pp * ep} ranks; at most {MAX_WORLD_SIZE} rank "
+                         f"tensor_model_parallel_size x data_parallel_size) = {pp} x {ep} = {pp * ep} ranks; at most {MAX_WORLD_SIZE} rank "
                          "processes run on one machine")
     if vpp is not None and microbatches is not None and pp * vpp * microbatches > MAX_SCHEDULE:
         raise UsageError(f"{where}: pipeline_model_parallel_size x virtual stages x num_microbatches = {pp} x {vpp} "

@@ -23,6 +23,8 @@ starts from another case and deep-merges this file's mappings over it)::
                                      # num_moe_experts and seq_length*micro_batch_size must be divisible by it
         data_parallel_size: 2          # DP (megatron-core; default 1): world P x DP, DP rank d trains global
                                      # microbatch m*DP+d; Megatron's EP is carved out of DP (EP divides DP)
+        tensor_model_parallel_size: 2  # TP (megatron-core; default 1): world P x TP x DP; with TP, ETP x EP
+        sequence_parallel: true        # divides TP x DP; expert_tensor_parallel_size: default TP (Megatron-LM's)
         options: {clip_grad: 0.05}   # overrides of `training` for this variant
         compare_to: other-variant    # reference run (default: the baseline)
         repeat: 2                    # also run it again and require the runs bitwise equal (a control)
@@ -139,6 +141,10 @@ class VariantSpec(_Strict):
     pipeline_model_parallel_size: int = Field(ge=1, le=1024)
     expert_model_parallel_size: int = Field(1, ge=1, le=64)
     data_parallel_size: int = Field(1, ge=1, le=64)     # megatron-core only: world P x DP, EP divides DP
+    # megatron-core only: TP (world P x TP x DP), sequence parallelism, expert TP (None: TP, as Megatron-LM)
+    tensor_model_parallel_size: int = Field(1, ge=1, le=64)
+    sequence_parallel: bool = False
+    expert_tensor_parallel_size: Optional[int] = Field(None, ge=1, le=64)
     overlap_moe_expert_parallel_comm: bool = False    # Megatron's 1F1B overlap schedule
     delay_wgrad_compute: bool = False
     options: dict = Field(default_factory=dict)

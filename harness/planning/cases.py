@@ -308,7 +308,8 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
             raise UsageError(f"{where}: options.{e}") from None
         except OSError as e:
             raise UsageError(f"{where}: options.data.path {training.data.path}: {bounds.os_reason(e)}") from None
-    P, EP = v.pipeline_model_parallel_size, max(v.expert_model_parallel_size, v.data_parallel_size)
+    P, EP = v.pipeline_model_parallel_size, max(v.expert_model_parallel_size,
+                                                v.tensor_model_parallel_size * v.data_parallel_size)
     bounds.check_run_size(where, P, EP)
     try:
         layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, P,
@@ -328,6 +329,9 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
                               pipeline_model_parallel_size=v.pipeline_model_parallel_size,
                               expert_model_parallel_size=v.expert_model_parallel_size,
                               data_parallel_size=v.data_parallel_size,
+                              tensor_model_parallel_size=v.tensor_model_parallel_size,
+                              sequence_parallel=v.sequence_parallel,
+                              expert_tensor_parallel_size=v.expert_tensor_parallel_size,
                               overlap_moe_expert_parallel_comm=v.overlap_moe_expert_parallel_comm,
                               delay_wgrad_compute=v.delay_wgrad_compute, layout_rules=v.layout_rules)
     try:

@@ -120,6 +120,9 @@ def _reference_problem(config: RunConfig) -> Optional[str]:
     if isinstance(config.model.moe_aux_loss_coeff, list):
         return ("model.moe_aux_loss_coeff as a list (one per load-balancing type) is megatron's; the reference "
                 "trainer has the one seq_aux_loss coefficient")
+    if config.parallel.tensor_model_parallel_size > 1 or config.parallel.expert_tensor_parallel > 1:
+        return ("tensor_model_parallel_size / expert_tensor_parallel_size > 1 is the megatron-core trainer's "
+                "(trainer: megatron-core); the reference trainer holds every matrix whole")
     if config.parallel.layout_rules != "bitparity":
         return "layout_rules: megatron is the megatron-core trainer's (a layout megatron accepts and trains wrong)"
     return options.problem(config.megatron)
@@ -154,7 +157,7 @@ def _megatron_problem(config: RunConfig) -> Optional[str]:
     t, par = config.training, config.parallel
     if t.reductions != "megatron":
         return "trainer megatron-core: reductions: canonical is the reference trainer's mode; megatron-core runs its own"
-    if par.data_parallel_size % par.expert_model_parallel_size:
+    if par.tensor_model_parallel_size == 1 and par.data_parallel_size % par.expert_model_parallel_size:
         return (f"trainer megatron-core: expert_model_parallel_size {par.expert_model_parallel_size} needs a "
                 f"data_parallel_size that it divides (have {par.data_parallel_size}): megatron carves EP out of "
                 "data parallelism")
