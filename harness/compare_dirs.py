@@ -130,7 +130,7 @@ def _layout(header: dict, trace: Trace) -> tuple[str, int, int, bool]:
     """(layout words, P, V, MTP standalone) from a trace: megatron's pipeline_model_parallel_layout when the
     header has it (standalone: Megatron's sense, the MTP stage not on the last pp rank)."""
     settings = header.get("settings") if isinstance(header.get("settings"), dict) else {}
-    pp = trace.world_size // max(trace.data_parallel_size, trace.expert_model_parallel_size, 1)
+    pp = trace.pipeline_model_parallel_size
     vpp = max(1, len(header.get("stages") or [0]))
     text = settings.get("pipeline_model_parallel_layout")
     standalone = False

@@ -177,7 +177,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     def execute(run: PlannedRun) -> tuple:
         name = run.spec.name
         run = dataclasses.replace(run, config=plan_configs[name])
-        ep, dp = run.config.parallel.expert_model_parallel_size, run.config.parallel.data_parallel_size
+        par = run.config.parallel
+        ep, dp, tp = par.expert_model_parallel_size, par.data_parallel_size, par.tensor_model_parallel_size
         who = "" if trainers.is_default(run.config.trainer) else f" [{run.config.trainer}]"
         if deadline.spent():
             outcome = deadline.not_started()
@@ -187,7 +188,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             progress(f"[{numbered[name]}/{len(plan.runs)}] {name}{who}: not run ({deadline.words()} is spent)")
             return None, outcome, None
         progress(f"[{numbered[name]}/{len(plan.runs)}] {name}{who}: P={run.layout.pipeline_model_parallel_size} "
-                 f"V={run.layout.virtual_pipeline_model_parallel_size}{f' DP={dp}' if dp > 1 else ''}"
+                 f"V={run.layout.virtual_pipeline_model_parallel_size}{f' TP={tp}' if tp > 1 else ''}"
+                 f"{' SP' if par.sequence_parallel else ''}{f' DP={dp}' if dp > 1 else ''}"
                  f"{f' EP={ep}' if ep > 1 else ''} "
                  f"{run.layout.text} ...")
         outcome = deadline.run(run_ranks, run.config, work / dirs[name], timeout, launcher)

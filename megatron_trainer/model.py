@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from trainerkit import names
 from trainerkit.config import RunConfig
+from trainerkit.fingerprint_shard import Shard
 
 from . import faults, options
 
@@ -65,7 +66,9 @@ def transformer_config(cfg: RunConfig):
         mtp_num_layers=m.mtp_num_layers or None,
         mtp_loss_scaling_factor=faults.mtp_loss_scaling_factor(cfg.inject, m.mtp_loss_scaling_factor)
         if m.mtp_num_layers else None,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        tensor_model_parallel_size=par.tensor_model_parallel_size, sequence_parallel=par.sequence_parallel,
+        expert_tensor_parallel_size=par.expert_tensor_parallel,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual, expert_model_parallel_size=par.expert_model_parallel_size,
         pipeline_model_parallel_layout=par.pipeline_model_parallel_layout,
         overlap_p2p_comm=virtual is not None, batch_p2p_comm=False,
@@ -154,12 +157,62 @@ _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 @dataclass
 class GlobalParam:
     """One parameter of a chunk under its global name.  ``replica``: ``mtp`` for the MTP stage's copy of the
-    word embedding when the first stage's embedding lives in another chunk (TRACE_FORMAT.md)."""
+    word embedding when the first stage's embedding lives in another chunk, ``tp{t}`` / ``dp{d}`` / ``edp{k}``
+    tags for the copies of other tensor- or data-parallel ranks (TRACE_FORMAT.md).  ``shard``: where this
+    rank's tensor-parallel slice sits in the global parameter (`tp_shards`); None for a whole parameter."""
 
     name: str
     replica: str | None
     param: torch.nn.Parameter
     chunk: int
+    shard: Shard | None = None
+
+
+def tp_shards(model, gated: bool) -> dict:
+    """{id(weight): `Shard`} of the tensor-parallel layers of `model` whose weight this rank holds a slice of
+    (megatron/core/tensor_parallel/layers.py): ``ColumnParallelLinear`` [out / t, in] along dim 0,
+    ``RowParallelLinear`` [out, in / t] along dim 1, ``VocabParallelEmbedding`` [vocab / t, h] along dim 0, each
+    at its rank in the layer's own TP group (the expert TP group for routed experts).  With a gated MLP
+    (`gated`: SwiGLU) an ``linear_fc1`` slice is two pieces, rows r of the gate half and rows r of the up half
+    (megatron/core/transformer/mlp.py ``apply_swiglu_sharded_factory``), so the global parameter is the
+    [gate; up] of TP = 1.  The split is read from the layers' sizes, not from the weights' ``partition_dim``
+    attributes: megatron sets those only when it initialises the weights itself (``perform_initialization``)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    out = {}
+    for local, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding):
+            dim, whole, part = 0, module.num_embeddings, module.num_embeddings_per_partition
+        elif isinstance(module, ColumnParallelLinear):
+            dim, whole, part = 0, module.output_size, module.output_size_per_partition
+        elif isinstance(module, RowParallelLinear):
+            dim, whole, part = 1, module.input_size, module.input_size_per_partition
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or whole == part:
+            continue
+        rank = _tp_rank(module)
+        shape = tuple(weight.shape[:dim]) + (whole,) + tuple(weight.shape[dim + 1:])
+        if gated and local.endswith("linear_fc1"):
+            half, mine = whole // 2, part // 2
+            out[id(weight)] = Shard(shape, dim, rank * mine, ((rank * mine, mine), (half + rank * mine, mine)))
+        else:
+            out[id(weight)] = Shard(shape, dim, rank * part, ((rank * part, part),))
+    return out
+
+
+def _tp_rank(module) -> int:
+    """This rank's place in `module`'s tensor-parallel group (megatron-core >= 0.13 keeps the group on the layer;
+    else the model-wide or the expert TP group, by the layer's ``is_expert``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = getattr(module, "tp_group", None)
+    if group is not None:
+        return dist.get_rank(group)
+    return ps.get_expert_tensor_parallel_rank() if getattr(module, "is_expert", False) \
+        else ps.get_tensor_model_parallel_rank()
 
 
 def _layer_ids(model) -> dict[str, int]:
@@ -181,7 +234,8 @@ def _global_name(local: str, layers: dict[str, int], experts_per_rank: int, ep_r
 
 
 def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int, dp_rank: int = 0,
-                      expert_dp_rank: int = 0, strict: bool = True) -> list[GlobalParam]:
+                      expert_dp_rank: int = 0, strict: bool = True, tp_rank: int = 0,
+                      expert_tp_rank: int = 0) -> list[GlobalParam]:
     """Every parameter of `chunks` (this rank's) under its global name (`trainerkit.names`).
 
     Megatron names a chunk's decoder layers by local index; the global layer id is the module's
@@ -189,7 +243,10 @@ def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int, dp_rank
     ``mlp.experts.{ep_rank * experts_per_rank + i}``.  A word embedding in a chunk without pre-process is the
     MTP stage's replica.  The MTP inner layer is ``mtp.layers.{k}.transformer_layer`` on every megatron version.
     Data parallelism: on DP rank d > 0 every dense parameter is a replica ``@dp{d}``; on expert-data-parallel
-    rank k > 0 (DP > EP) every routed expert is a replica ``@edp{k}`` (`trainerkit.names.ep_replica`).
+    rank k > 0 (DP > EP) every routed expert is a replica ``@edp{k}`` (`trainerkit.names.ep_replica`).  Tensor
+    parallelism: a layer split over the TP ranks gives each its slice (`GlobalParam.shard`, `tp_shards`, the
+    same key on every TP rank); a parameter every TP rank holds whole (norms, the router) is on TP rank t > 0
+    a replica ``@tp{t}`` (routed experts: ``@etp{t}`` over the expert TP ranks), before its DP tag.
 
     `strict`: every name must be one of DeepSeek-V3's as bitparity builds the model (`trainerkit.names`); not
     strict (a user's own model in megatron's training loop), other names pass as they are.
@@ -200,13 +257,18 @@ def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int, dp_rank
     out = []
     for c, model in enumerate(chunks):
         layers = _layer_ids(model)
+        shards = tp_shards(model, bool(getattr(model.config, "gated_linear_unit", False)))
         for local, p in model.named_parameters():
             name = _global_name(local, layers, experts_per_rank, ep_rank)
             replica = "mtp" if name == names.EMBEDDING and not model.pre_process else None
             names.family(name, strict=strict)     # strict: raises ValueError for a name the harness cannot place
-            replica = (names.ep_replica(replica, expert_dp_rank, "edp") if names.expert_id(name) is not None
+            expert = names.expert_id(name) is not None
+            shard = shards.get(id(p))
+            if shard is None:
+                replica = names.ep_replica(replica, expert_tp_rank if expert else tp_rank, "etp" if expert else "tp")
+            replica = (names.ep_replica(replica, expert_dp_rank, "edp") if expert
                        else names.ep_replica(replica, dp_rank, "dp"))
-            out.append(GlobalParam(name, replica, p, c))
+            out.append(GlobalParam(name, replica, p, c, shard))
     return out
 
 

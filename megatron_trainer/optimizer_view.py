@@ -146,14 +146,22 @@ class Traced:
                 for gp in self.params]
 
     def shards(self) -> list:
-        """Where each traced tensor sits in its parameter (`Shard`, flat ranges), or None per parameter without
-        the distributed optimizer."""
-        return [Shard(tuple(gp.param.shape), None, self.ranges[id(gp.param)].start) if self.sharded else None
-                for gp in self.params]
+        """Where each traced tensor sits in its global parameter (`Shard`): the distributed optimizer's flat range
+        (within this rank's TP slice of a TP-split parameter), the TP slice without it, None for a whole one."""
+        return [_range_shard(gp, self.ranges[id(gp.param)]) if self.sharded else gp.shard for gp in self.params]
 
     def states(self, optimizer) -> dict:
         """Adam's moments of `values` (`adam_states`): {} before the first step."""
         return adam_states(optimizer, self.values())
+
+
+def _range_shard(gp, r: OwnedRange) -> Shard:
+    """The `Shard` of the distributed optimizer's range `r` of `gp`: a flat range of the parameter, or of its
+    tensor-parallel slice (`model.GlobalParam.shard`), which is what megatron's grad buffer holds."""
+    if gp.shard is None:
+        return Shard(tuple(gp.param.shape), None, r.start)
+    tp = gp.shard
+    return Shard(tp.global_shape, tp.dim, tp.offset, tp.slices(gp.param.shape[tp.dim]), (r.start, r.end))
 
 
 def traced(optimizer, params: list) -> Traced:

@@ -67,7 +67,6 @@ _CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "glob
 
 #: Megatron names that bitparity's own configuration decides, and where a case says them.
 _DERIVED = {
-    "tensor_model_parallel_size": "bitparity runs TP = 1",
     "virtual_pipeline_model_parallel_size": "it follows from the variant's pipeline_model_parallel_layout",
     "params_dtype": "the case's params_dtype", "bf16": "the case's params_dtype", "fp16": "the case's params_dtype",
     "pipeline_dtype": "the case's params_dtype", "kv_channels": "model.v_head_dim",

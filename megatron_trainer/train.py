@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from trainerkit.capture import RankCapture, dump_tensors, float64_scalar, microbatch_losses, param_entry, scalar
 from trainerkit.config import RunConfig
 from trainerkit.data import TokenDataset
+from trainerkit.fingerprint_shard import take
 from trainerkit.init import init_parameters
 
 from . import compat, faults, options
@@ -151,9 +152,10 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
 
     t, m, par = cfg.training, cfg.model, cfg.parallel
     config = transformer_config(cfg)
-    ps.initialize_model_parallel(1, par.pipeline_model_parallel_size,
+    ps.initialize_model_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                  virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
                                  expert_model_parallel_size=par.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=par.expert_tensor_parallel,
                                  # the distributed optimizer's instances split the DP group (partial DP
                                  # groups for the reduce-scatter, an all-reduce across instances)
                                  num_distributed_optimizer_instances=cfg.megatron.get(
@@ -172,10 +174,9 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     chunks = [c.to(device) for c in build_chunks(cfg, config)]
     params = global_parameters(chunks, m.num_moe_experts // par.expert_model_parallel_size,
                                ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank(),
-                               ps.get_expert_data_parallel_rank())
-    with torch.no_grad():
-        # replicas take their logical name's values: the MTP stage's embedding starts equal to the first stage's
-        init_parameters(((gp.name, gp.param) for gp in params), m, t.seed)
+                               ps.get_expert_data_parallel_rank(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                               expert_tp_rank=ps.get_expert_tensor_parallel_rank())
+    initialise(params, m, t.seed)
     ddp_config = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
                                                   "use_distributed_optimizer": False,
                                                   **options.for_config(cfg, "DistributedDataParallelConfig")})
@@ -195,6 +196,21 @@ def build(cfg: RunConfig, device: torch.device) -> MegatronRank:
     config.grad_scale_func = optimizer.scale_loss
     return MegatronRank(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
                         traced=traced(optimizer, params))
+
+
+@torch.no_grad()
+def initialise(params: list, model_cfg, seed: int) -> None:
+    """Every parameter of `params` (`model.GlobalParam`) from the case seed by its global name
+    (`trainerkit.init`), as the reference trainer initialises it: replicas take their logical name's values (the
+    MTP stage's embedding starts equal to the first stage's), a tensor-parallel slice is cut from the whole
+    parameter drawn at its global shape (`fingerprint_shard.take`), so every TP size starts from the same weights."""
+    for gp in params:
+        if gp.shard is None:
+            init_parameters([(gp.name, gp.param)], model_cfg, seed)
+            continue
+        whole = torch.empty(gp.shard.global_shape, dtype=gp.param.dtype)
+        init_parameters([(gp.name, whole)], model_cfg, seed)
+        gp.param.copy_(take(whole, gp.shard))
 
 
 def _float16(config, chunk):
@@ -217,6 +233,8 @@ def rank_fields(chunks: list, tr: Traced, strict: bool = True) -> dict:
     from megatron.core import parallel_state as ps
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "pp_rank": pp_rank,
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
             "ep_rank": ps.get_expert_model_parallel_rank(),
             "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
             "dp_rank": ps.get_data_parallel_rank(), "data_parallel_size": ps.get_data_parallel_world_size(),
@@ -303,7 +321,8 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
         capture.buffers(buffers)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             losses, lm_loss = recorder.take(m.mtp_num_layers, ps.get_data_parallel_group() if dp_size > 1 else None)
-            capture.set(losses=losses, lm_loss=lm_loss)
+            if ps.get_tensor_model_parallel_rank() == 0:      # every TP rank has the whole loss: recorded once
+                capture.set(losses=losses, lm_loss=lm_loss)
         if overlap:
             capture.set(overlap=counter.take())
         capture.end_step(time.perf_counter() - start)

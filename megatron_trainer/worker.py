@@ -64,6 +64,8 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
         device, backend = torch.device("cpu"), "gloo"
     points = compat.apply(device.type)
     par = cfg.parallel
+    from . import compat_tp
+    points += compat_tp.apply() if compat_tp.needed(par.sequence_parallel) else ()
     if device.type == "cpu":
         from . import compat_distopt, compat_overlap
         points += (compat_overlap.apply() if compat_overlap.needed(par) else ()) + (

@@ -214,7 +214,7 @@ class RankCapture:
     def __init__(self, path: Path, header: dict, fingerprints: bool = True):
         self.path = Path(path)
         self.keys = [p["key"] for p in header.get("params", [])]
-        self._shards = {i: Shard(tuple(p["shape"]), p["shard"]["dim"], p["shard"]["offset"])
+        self._shards = {i: Shard.from_record(p["shape"], p["shard"])
                         for i, p in enumerate(header.get("params", [])) if "shard" in p}
         self._fingerprints = fingerprints
         self._writer = TraceWriter(self.path)

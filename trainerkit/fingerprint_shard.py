@@ -345,6 +345,22 @@ def place(whole: torch.Tensor, local: torch.Tensor, shard: Shard) -> None:
         at += c
 
 
+def take(whole: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """The part `shard` of `whole` (of shape ``shard.global_shape``) as the rank holding it has it: a dim slice
+    with its ``pieces`` stacked along the dim, or, with ``within``, that flat range of it.  The inverse of `place`.
+
+    Raises:
+        ShardError: a shard without ``pieces`` (its size is not known), or not inside `whole`."""
+    if shard.dim is None or not shard.pieces:
+        raise ShardError("take: the shard needs a dim and its pieces")
+    g = tuple(shard.global_shape)
+    size = sum(n for _, n in shard.slices(0))
+    starts, counts = _runs(shard, size)
+    flat = whole.reshape(-1)
+    out = torch.cat([flat[s:s + c] for s, c in zip(starts.tolist(), counts.tolist())])
+    return out if shard.within is not None else out.view(g[:shard.dim] + (size,) + g[shard.dim + 1:])
+
+
 def assemble(pieces: list[tuple[torch.Tensor, Shard]]) -> torch.Tensor:
     """The global tensor put together from its shards ``(local, shard)`` (all of one global shape and dtype):
     the dump of a sharded run (`trainerkit.capture.dump_tensors`) read back whole.

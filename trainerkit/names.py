@@ -90,8 +90,9 @@ def ep_replica(replica: str | None, ep_rank: int, tag: str = "ep") -> str | None
     holds the original (`replica` unchanged), EP rank r > 0 a copy tagged ``ep{r}`` (``mtp.ep{r}`` for the MTP
     stage's embedding replica), so its key ``name@ep{r}`` does not collide and the harness checks that the
     copies stay identical (``replica_status``).  `tag` names the group the copies span: ``ep`` (the reference
-    trainer's EP ranks), ``dp`` (Megatron's data-parallel replicas of a dense parameter) or ``edp`` (Megatron's
-    expert-data-parallel replicas of a routed expert)."""
+    trainer's EP ranks), ``dp`` (Megatron's data-parallel replicas of a dense parameter), ``edp`` (Megatron's
+    expert-data-parallel replicas of a routed expert), ``tp`` / ``etp`` (the tensor-parallel copies of a
+    parameter no TP layer splits: a norm, the router)."""
     if ep_rank == 0:
         return replica
     return f"{tag}{ep_rank}" if replica is None else f"{replica}.{tag}{ep_rank}"
@@ -99,7 +100,7 @@ def ep_replica(replica: str | None, ep_rank: int, tag: str = "ep") -> str | None
 
 def base_replica(replica: str | None) -> str | None:
     """The replica tag without its EP / DP part: ``ep1`` -> None, ``mtp.ep1`` -> ``mtp``, ``mtp.dp1`` -> ``mtp``,
-    ``mtp`` -> ``mtp``."""
+    ``mtp`` -> ``mtp``; a tensor-parallel copy's tag stays (``tp1.dp1`` -> ``tp1``)."""
     m = _EP_TAG.match(replica or "")
     return replica if m is None else m.group(1)
 

@@ -67,7 +67,14 @@ class Trace:
     steps: list                                      # [StepTrace]
     world_size: int
     expert_model_parallel_size: int = 1              # EP
-    data_parallel_size: int = 1                      # DP (megatron-core); world_size = P x max(DP, EP)
+    data_parallel_size: int = 1                      # DP (megatron-core); world_size = P x max(TP x DP, EP)
+    tensor_model_parallel_size: int = 1              # TP (megatron-core)
+
+    @property
+    def pipeline_model_parallel_size(self) -> int:
+        """P, from the world size and the other parallel sizes (`trainerkit.config.ParallelConfig.world_size`)."""
+        return self.world_size // max(self.tensor_model_parallel_size * self.data_parallel_size,
+                                      self.expert_model_parallel_size, 1)
 
     def shapes(self) -> dict:
         """{key: global shape} of the parameters (what a sharded run's dumps are put together into)."""
@@ -169,15 +176,17 @@ def merge(run_dir: Path, world_size: int) -> Trace:
     """
     params, owner, init, steps = {}, {}, {}, {}
     partials: dict = {}         # (step | "init", part, key) -> a sharded tensor's partial records, all ranks
-    ep_size = dp_size = 1
+    ep_size = dp_size = tp_size = 1
     for rank in range(world_size):
         records = _read(run_dir / f"rank{rank}.jsonl")
         header = records[0]
         ep_size = header.get("expert_model_parallel_size", 1)
         dp_size = header.get("data_parallel_size", 1)
+        tp_size = header.get("tensor_model_parallel_size", 1)
         own_data = header.get("dp_rank", 0) > 0         # other microbatches than DP rank 0's
-        # EP / DP rank 0 of this pipeline rank merged before it
-        replica = own_data or header.get("ep_rank", 0) > 0
+        # EP / DP / TP rank 0 of this pipeline rank merged before it (a TP rank > 0 records no losses: TP rank
+        # 0's are the group's)
+        replica = own_data or header.get("ep_rank", 0) > 0 or header.get("tp_rank", 0) > 0
         for meta in header["params"]:
             key = meta["key"]
             shard = meta.get("shard")
@@ -234,7 +243,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
         _align_actions(st.actions)
     return Trace(format=FORMAT, params=params, order=order, init=init,
                  steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size,
-                 data_parallel_size=dp_size)
+                 data_parallel_size=dp_size, tensor_model_parallel_size=tp_size)
 
 
 def _take(into: dict, fingerprints: dict, partials: dict, where: tuple) -> None:
