@@ -27,9 +27,9 @@ class OwnedRange:
     start: int
     end: int
     main: torch.Tensor
-    #: how many DP ranks share out this parameter's ranges (the optimizer's ``data_parallel_group``: the whole DP
-    #: or expert-DP group, or with ``num_distributed_optimizer_instances`` > 1 one instance of it)
-    group_size: int = 1
+    #: the global ranks that share out this parameter's ranges (the optimizer's ``data_parallel_group``: the whole
+    #: DP or expert-DP group, or with ``num_distributed_optimizer_instances`` > 1 one instance of it)
+    group: tuple = ()
 
     def of(self, whole: torch.Tensor) -> torch.Tensor:
         """The owned elements of a tensor shaped like the parameter (its ``main_grad``), flat [end - start]."""
@@ -50,14 +50,14 @@ def owned_ranges(optimizer) -> dict:
     for opt in _optimizers(optimizer):
         if not hasattr(opt, "_get_model_param_range_map"):
             continue
-        group_size = opt.data_parallel_group.size()
+        group = tuple(torch.distributed.get_process_group_ranks(opt.data_parallel_group))
         for models, mains in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
                               (opt.model_fp32_groups, opt.shard_fp32_groups)):
             for model_group, main_group in zip(models, mains):
                 for p, main in zip(model_group, main_group):
                     r = opt._get_model_param_range_map(p)["param"]
                     if r.end > r.start:
-                        out[id(p)] = OwnedRange(int(r.start), int(r.end), main, group_size)
+                        out[id(p)] = OwnedRange(int(r.start), int(r.end), main, group)
     return out
 
 
@@ -171,18 +171,23 @@ def traced(optimizer, params: list) -> Traced:
     ranges, sharded = owned_ranges(optimizer), is_distributed(optimizer)
     masters, decay = optimizer_view(optimizer, params, ranges)
     if sharded:
-        params = [replace(gp, replica=_instance_replica(gp, ranges[id(gp.param)].group_size))
+        params = [replace(gp, replica=_instance_replica(gp, ranges[id(gp.param)].group))
                   for gp in params if id(gp.param) in ranges]
     return Traced(params, [names.replica_key(gp.name, gp.replica) for gp in params], masters, decay, ranges, sharded)
 
 
-def _instance_replica(gp, group_size: int) -> str | None:
-    """The replica tag of a distributed-optimizer rank's range of `gp`.  One instance (megatron's default): the
-    parameter's own key, no @dp / @edp replica (no rank holds a whole copy).  With
-    ``num_distributed_optimizer_instances`` > 1 each instance holds a whole copy: the one whose first DP (expert:
-    expert-DP) rank is d is tagged ``dp{d}`` (``edp{d}``) like plain DDP's replicas, and the harness checks that
-    the instances stay equal."""
+def _instance_replica(gp, group: tuple) -> str | None:
+    """The replica tag of a distributed-optimizer rank's range of `gp`, sharded over the global ranks `group`.
+    The copies of a parameter are held by its DP group (routed experts: expert-DP); each optimizer group among
+    them steps one whole copy.  One group (megatron's default): the parameter's own key, no @dp / @edp replica.
+    Several (``num_distributed_optimizer_instances`` > 1; or a parameter megatron put in another group than its
+    copies span, as megatron-core < 0.17 did with experts at TP > 1, ETP = 1, EP = 1): the copy whose group's
+    first member is DP (expert-DP) rank d is tagged ``dp{d}`` (``edp{d}``) like plain DDP's replicas, and the
+    harness checks that the copies stay equal."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     expert = names.expert_id(gp.name) is not None
-    rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()
-    return names.ep_replica(names.base_replica(gp.replica), rank // group_size * group_size, "edp" if expert else "dp")
+    copies = dist.get_process_group_ranks(ps.get_expert_data_parallel_group() if expert
+                                          else ps.get_data_parallel_group())
+    first = min(copies.index(r) for r in group if r in copies)
+    return names.ep_replica(names.base_replica(gp.replica), first, "edp" if expert else "dp")

@@ -161,6 +161,11 @@ def _megatron_problem(config: RunConfig) -> Optional[str]:
         return (f"trainer megatron-core: expert_model_parallel_size {par.expert_model_parallel_size} needs a "
                 f"data_parallel_size that it divides (have {par.data_parallel_size}): megatron carves EP out of "
                 "data parallelism")
+    if config.device == "cpu" and par.expert_tensor_parallel > 1 and par.expert_model_parallel_size > 1:
+        return ("trainer megatron-core: expert_tensor_parallel_size > 1 with expert_model_parallel_size > 1 does not "
+                "run over gloo: megatron's alltoall dispatcher all-gathers each expert-TP rank's token count, which "
+                "differs between ranks, and gloo's all_gather takes equal sizes only (measured); set "
+                "expert_tensor_parallel_size: 1 (Megatron's DeepSeek-V3 proxy runs ETP 1) or EP 1")
     if config.capture == "activations":
         return "trainer megatron-core: capture: activations needs the reference trainer's probes"
     for key in ("checkpoint", "resume_from"):
