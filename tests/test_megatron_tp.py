@@ -1,0 +1,138 @@
+"""Tensor + sequence parallelism in the megatron trainer (cases/megatron-proxy.yaml: Megatron's DeepSeek-V3 proxy
+configuration at tiny size; megatron_trainer.model.tp_shards, megatron_trainer.compat_tp,
+trainerkit.fingerprint_shard):
+
+* the case passes with its stated outcomes on the installed megatron-core: layouts at TP = 2 bitwise (PR #2136's
+  check 2), the distributed optimizer bitwise with plain DDP, the 1F1B overlap bitwise, TP = 1 may differ only
+  as stated; on < 0.17 the expert replicas drift as Megatron-LM cd4afffa64 says;
+* its runs really were sharded both ways: TP slices (two pieces for a gated fc1) and distributed-optimizer
+  ranges within them are partial records, the norms are @tp1 replicas checked bitwise, TP rank 1 records no
+  losses;
+* planted, each caught: a TP slice fingerprinted at the wrong offset (bitparity's own code) is a trace error
+  naming the key and the ranks; a norm's gradient not all-reduced over the TP ranks (a megatron copy) makes
+  the TP copies of the norms train apart from step 0;
+* bad TP input is one line, exit 2.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from conftest import ROOT, run_cli  # noqa: E402
+from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
+
+CASE = ROOT / "cases" / "megatron-proxy.yaml"
+FINALIZE = "megatron/core/distributed/finalize_model_grads.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.megatron]
+
+
+def _summary(out):
+    return {v["name"]: v for v in json.loads((out / "megatron-proxy" / "summary.json").read_text())["variants"]}
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory):
+    out = tmp_path_factory.mktemp("proxy")
+    proc = run_cli("verify", CASE, "--out", out, timeout=900)
+    return proc, _summary(out), out / "megatron-proxy" / "runs"
+
+
+def test_the_proxy_case_passes_with_its_stated_outcomes(proxy):
+    proc, v, _ = proxy
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert all(x["verdict"] == "pass" for x in v.values()), {k: (x["verdict"], x["reason"]) for k, x in v.items()}
+    for name in ("proxy-p4-mtp-with-loss", "proxy-p4v2-plain-ddp", "proxy-p4v2-1f1b-overlap"):
+        assert v[name]["outcome"] == "equal", (name, v[name]["outcome"])
+    assert "TP=2 SP" in proc.stdout
+
+
+def _headers(run_dir):
+    return [json.loads(f.read_text().splitlines()[0]) for f in sorted(run_dir.glob("rank*.jsonl"))]
+
+
+def test_tp_slices_and_their_distributed_optimizer_ranges_are_partials_and_norms_are_tp_replicas(proxy):
+    _, _, runs = proxy
+    headers = _headers(runs / "proxy-p4v2-mtp-standalone")
+    assert len(headers) == 16 and {h["tensor_model_parallel_size"] for h in headers} == {2}
+    shards = {p["key"]: p["shard"] for h in headers for p in h["params"] if "shard" in p}
+    fc1 = shards["decoder.layers.0.mlp.linear_fc1.weight"]          # [gate_r; up_r] within the TP x DP range
+    assert fc1["dim"] == 0 and len(fc1["pieces"]) == 2 and "within" in fc1, fc1
+    assert shards["decoder.layers.0.self_attention.linear_proj.weight"]["dim"] == 1
+    keys = {p["key"] for h in headers for p in h["params"]}
+    assert "decoder.layers.0.input_layernorm.weight@tp1" in keys
+    assert "decoder.layers.1.mlp.router.weight@tp1" in keys
+    trace = json.loads((runs / "proxy-p4v2-mtp-standalone" / "trace.json").read_text())
+    assert all(isinstance(fp, str) for st in trace["steps"] for fp in st["grads"].values())
+    assert len(trace["steps"][0]["losses"]) == 8          # 4 microbatches x DP 2, once per TP group
+    status = json.loads((runs / "proxy-p4v2-mtp-standalone" / "comparison.json").read_text())["replica_status"]
+    assert status["consistent"] and any(k.endswith("@tp1") for k in status["replicas"]), status
+
+
+def test_the_expert_gradient_bug_of_megatron_core_before_0_17_is_caught_as_replica_drift(proxy):
+    import megatron.core
+    from packaging.version import Version
+    _, v, _ = proxy
+    run = v["expert-tp-bug/proxy-p4v2-ep1"]
+    if Version(megatron.core.__version__) < Version("0.17"):
+        assert not run["replica_status"]["consistent"], run["replica_status"]
+        assert run["replica_status"]["replica"].endswith("experts.0.linear_fc1.weight@edp1"), run["replica_status"]
+    else:
+        assert run["replica_status"]["consistent"], run["replica_status"]
+
+
+# tp_shards places rank r's slice at offset 0 instead of r x part: two TP ranks claim the same elements
+_OFFSET = ("            out[id(weight)] = Shard(shape, dim, rank * part, ((rank * part, part),))",
+           "            out[id(weight)] = Shard(shape, dim, 0, ((0, part),))")
+
+
+def test_a_tp_slice_at_the_wrong_offset_is_a_trace_error_naming_key_and_ranks(tmp_path):
+    tree = planted_tree(tmp_path / "tree", {"megatron_trainer/model.py": [_OFFSET]})
+    proc = run_planted(tree, "verify", CASE, "--out", tmp_path / "out", "--only", "proxy-p4-mtp-with-loss",
+                       timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    run = _summary(tmp_path / "out")["proxy-p4-mtp-with-loss"]
+    assert run["verdict"] == "error" and "held by two shards" in run["reason"], run["reason"]
+    assert "ranks [" in run["reason"] and "weight" in run["reason"], run["reason"]
+
+
+# finalize_model_grads drops the all-reduce over the TP group of the sequence-parallel parameters' gradients (the
+# norms, the routers): each TP rank steps its copy with its own half of the sequence's gradient
+_TP_REDUCE = "            torch.distributed.all_reduce(coalesced, op=all_reduce_op, group=tp_group)\n"
+_TP_REDUCE_DROPPED = "            pass  # planted: the TP all-reduce of the norms' gradients is gone\n"
+
+
+def test_a_norm_gradient_not_reduced_over_tp_makes_the_tp_copies_drift_at_step_0(tmp_path):
+    head = planted_megatron(tmp_path / "mlm", {FINALIZE: [(_TP_REDUCE, _TP_REDUCE_DROPPED)]})
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--megatron-head", head, "--only",
+                   "proxy-p4-mtp-with-loss", timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    run = _summary(tmp_path / "out")["proxy-p4-mtp-with-loss"]
+    status = run["replica_status"]
+    assert run["verdict"] == "fail" and not status["consistent"], run
+    assert status["first_broken_step"] == 0 and status["replica"].endswith("@tp1"), status
+    assert "gradient at step 0" in status["detail"], status
+
+
+@pytest.mark.parametrize("variant, fragment", [
+    ({"sequence_parallel": True}, "sequence_parallel splits activations over the tensor-parallel ranks"),
+    ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 2,
+      "expert_model_parallel_size": 2, "data_parallel_size": 2}, "does not run over gloo"),
+    ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "trainer": "reference"},
+     "the reference trainer holds every matrix whole"),
+    ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1,
+      "expert_model_parallel_size": 8}, "does not divide tensor_model_parallel_size x data_parallel_size"),
+])
+def test_bad_tensor_parallel_input_is_one_line_and_exit_2(tmp_path, variant, fragment):
+    fields = {"name": "bad", "pipeline_model_parallel_layout": "Et|t|t|t|t|tmL", "pipeline_model_parallel_size": 2,
+              **variant}
+    (tmp_path / "bad.yaml").write_text(
+        f"extends: {CASE}\nname: bad\nvariants:\n  - {json.dumps(fields)}\n")
+    proc = run_cli("verify", tmp_path / "bad.yaml", "--out", tmp_path / "out")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out" / "bad").exists()
