@@ -1,5 +1,5 @@
 """Megatron-LM's own training loop (``megatron.training``: ``pretrain``, ``train``, ``train_step``) on a CPU-only
-torch over gloo: five points beyond `compat`'s nine, applied in the rank process before ``pretrain`` runs.
+torch over gloo: six points beyond `compat`'s nine, applied in the rank process before ``pretrain`` runs.
 
 Measured with Megatron-LM's ``pretrain_gpt.py`` (core_r0.19.0 at f8837c04ef, megatron-core 0.19.2's
 ``megatron.training``; MoE + MTP + MLA, P = 2, ``--distributed-backend gloo --mock-data``): with `compat`'s points
@@ -16,6 +16,10 @@ the model builds and runs; the loop around it stops in five places, all device p
 * T5 ``device='cuda'`` tensor factories throughout ``megatron.training`` (loss and timer reductions, the rerun
   machine's flags) and the ``megatron.core`` modules the loop imports beyond the model: every loaded megatron
   module that names the device gets `compat`'s CPU torch (point 6 widened), at the moment ``pretrain`` starts.
+* T6 with TP or CP > 1, ``arguments.validate_args`` reads the CUDA architecture (``get_device_arch_version``)
+  to decide whether ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is required (a CUDA stream-scheduling setting that orders
+  the TP collectives before compute on Hopper and older): a CPU has no architecture (0) and no streams, so the
+  rank's environment gets the setting megatron asks for (``setdefault``, a user's own value stays).
 
 And one point on every device, about the megatron-core wheel (>= 0.17 ships ``megatron.training``):
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import types
 
@@ -39,7 +44,7 @@ import torch
 
 from . import compat
 
-POINTS = ("T1", "T2", "T3", "T4", "T5")     # on CPU
+POINTS = ("T1", "T2", "T3", "T4", "T5", "T6")     # on CPU
 WHEEL_POINTS = ("W1",)                        # on every device
 
 
@@ -107,6 +112,15 @@ def apply(device_type: str = "cpu") -> tuple:
             compat._require(getattr(module, "torch", None) is torch, point, f"{module.__name__} has no module-level torch")
             module.torch = _CpuTrainingTorch()
             applied.append(point)
+    # T6
+    from megatron.training import arguments
+    if compat._needed("get_device_arch_version()" in compat._source(arguments.validate_args), "T6",
+                      "validate_args no longer reads the CUDA architecture"):
+        compat._require(hasattr(arguments, "get_device_arch_version"), "T6",
+                        "arguments.get_device_arch_version is gone")
+        arguments.get_device_arch_version = lambda: 0
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        applied.append("T6")
     # T3
     compat._require(hasattr(training, "set_jit_fusion_options"), "T3", "training.set_jit_fusion_options is gone")
     training.set_jit_fusion_options = lambda *args, **kwargs: None

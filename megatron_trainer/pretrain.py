@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = compat.apply("cuda" if cuda else "cpu")
         points += compat_training.apply("cuda" if cuda else "cpu")
+        if "--sequence-parallel" in args.args:
+            from . import compat_tp
+            points += compat_tp.apply()
         if not cuda and "--use-distributed-optimizer" in args.args:
             from . import compat_distopt
             points += compat_distopt.apply()

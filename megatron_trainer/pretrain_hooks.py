@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from trainerkit.capture import RankCapture, microbatch_losses, scalar
-from trainerkit.init import init_parameters
 
 from . import optimizer_view
 from . import train as megatron_train
@@ -45,10 +44,10 @@ class CaptureRefused(RuntimeError):
 
 
 #: megatron arguments (``get_args()``) under which a rank holds only part of a tensor: (attribute, flag, why).
-_SHARDED = (("tensor_model_parallel_size", "--tensor-model-parallel-size", "a rank holds a shard of each matrix"),
-            ("context_parallel_size", "--context-parallel-size",
-             "a rank holds part of each sequence's activations and losses"),
-            ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", "a rank holds a shard of each expert"))
+#: Tensor parallelism (TP, SP, expert TP) and the distributed optimizer are traced by shard (`model.tp_shards`,
+#: `optimizer_view`); context parallelism is not.
+_SHARDED = (("context_parallel_size", "--context-parallel-size",
+             "a rank holds part of each sequence's activations and losses"),)
 
 
 def refusal(argv: list) -> Optional[str]:
@@ -115,22 +114,23 @@ class _Capture:
         args = get_args()
         for attr, flag, why in _SHARDED:
             value = getattr(args, attr, None)
-            if attr == "expert_tensor_parallel_size" and value == getattr(args, "tensor_model_parallel_size", 1):
-                continue                 # megatron's default: the dense TP, itself refused when > 1
             if value not in (None, False, 1):
                 raise CaptureRefused(f"bitparity capture: {flag} {value} is not supported: {why}")
         chunks = [unwrap_model(m) for m in model]
         ep = ps.get_expert_model_parallel_world_size()
         params = global_parameters(chunks, args.num_experts // ep if args.num_experts else 0,
                                    ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank(),
-                                   ps.get_expert_data_parallel_rank(), strict=False)
+                                   ps.get_expert_data_parallel_rank(), strict=False,
+                                   tp_rank=ps.get_tensor_model_parallel_rank(),
+                                   expert_tp_rank=ps.get_expert_tensor_parallel_rank())
         if self.init_seed is not None:
             _reinitialise(params, optimizer, args, self.init_seed)
         self.traced = optimizer_view.traced(optimizer, params)
         self.buffers = expert_biases(chunks)
         self.mtp_num_layers = args.mtp_num_layers or 0
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        # every TP rank of the loss stage has the whole loss: TP rank 0 records it
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
         self.clip_grad = args.clip_grad
         rank = dist.get_rank()
         path = self.out_dir / f"rank{rank}.jsonl"
@@ -152,10 +152,11 @@ def _reinitialise(params: list, optimizer, args, seed: int) -> None:
     """``--bitparity-init SEED``: every parameter re-initialised by its global name (`trainerkit.init`: the
     same weights whatever the layout; megatron seeds by pipeline rank, megatron-semantics §7.3) with megatron's
     ``--init-method-std`` and ``--num-layers``, and what the optimizer steps from them: the fp32 master copies
-    (bf16), under the distributed optimizer this rank's fp32 range of each."""
+    (bf16), under the distributed optimizer this rank's fp32 range of each; a TP slice is cut from the whole
+    parameter (`train.initialise`)."""
     cfg = SimpleNamespace(init_method_std=args.init_method_std, num_layers=args.num_layers,
                           moe_router_init_method_std=None)
-    init_parameters(((gp.name, gp.param) for gp in params), cfg, seed)
+    megatron_train.initialise(params, cfg, seed)
     ranges, masters = optimizer_view.owned_ranges(optimizer), optimizer_view.master_params(optimizer)
     for gp in params:
         master = masters.get(id(gp.param))

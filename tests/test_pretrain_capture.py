@@ -112,6 +112,27 @@ def test_the_distributed_optimizer_traces_shards_that_compare_with_plain_ddp(tmp
     assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
 
 
+def test_tensor_and_sequence_parallel_with_the_distributed_optimizer_two_layouts_bitwise(tmp_path):
+    """TP = 2 + SP (expert TP = 2: Megatron-LM's default) with the distributed optimizer and both overlaps, P = 2,
+    4 ranks, in Megatron-LM's own loop: every TP slice and the optimizer's ranges within it are partial records,
+    the norms @tp1 replicas; `bitparity compare` finds the two layouts bitwise equal (PR #2136's check 2 at TP = 2)."""
+    tp = ("--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+          "--use-distributed-optimizer",
+          "--overlap-grad-reduce", "--overlap-param-gather")
+    runs = {name: tmp_path / f"tp2-{name}" for name in LAYOUTS}
+    for name, out in runs.items():
+        r = pretrain(out, LAYOUTS[name], nproc=4, extra=tp)
+        assert r.returncode == 0, r.stderr[-3000:]
+    header = json.loads((runs["a"] / "rank1.jsonl").read_text().splitlines()[0])
+    assert header["tensor_model_parallel_size"] == 2 and header["tp_rank"] == 1
+    shards = {p["key"]: p["shard"] for p in header["params"] if "shard" in p}
+    assert any(s["dim"] is not None and "within" in s for s in shards.values()), shards
+    assert any(p["key"].endswith("input_layernorm.weight@tp1") for p in header["params"])
+    r, summary = compare(tmp_path, runs["a"], runs["b"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
+
+
 @pytest.mark.skipif(not os.environ.get("BITPARITY_MEGATRON_LM"), reason="BITPARITY_MEGATRON_LM names no checkout")
 def test_the_checkouts_own_pretrain_gpt_matches_the_stand_in(tmp_path):
     script = Path(os.environ["BITPARITY_MEGATRON_LM"]) / "pretrain_gpt.py"
@@ -130,10 +151,9 @@ def test_refusals_are_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", str(STANDIN)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--bitparity-out" in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    # a rank that holds a slice of a tensor (TP, CP): refused before megatron starts, one line, exit 2
-    for flags, words in ((["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 is not supported"),
-                         (["--context-parallel-size=4"], "--context-parallel-size 4 is not supported"),
-                         (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 is not")):
+    # a rank that holds part of each sequence (CP): refused before megatron starts, one line, exit 2
+    for flags, words in ((["--context-parallel-size=4"], "--context-parallel-size 4 is not supported"),
+                         (["--context-parallel-size", "2"], "--context-parallel-size 2 is not supported")):
         r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", "--bitparity-out",
                             str(tmp_path / "o"), str(STANDIN), *tiny_args(), *flags], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
