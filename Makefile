@@ -42,7 +42,7 @@ PORTABILITY_TESTS    ?= tests/test_optimizer.py tests/test_reductions.py tests/t
                         tests/test_loss_masks.py tests/test_version_expectations.py
 # (cases/smoke.yaml is not here: tests/test_verify_e2e.py runs it and asserts its verdicts)
 PORTABILITY_CASES    ?= cases/overlap-ep.yaml cases/megatron-dsv3.yaml cases/megatron-overlap.yaml \
-                        cases/megatron-upstream-bugs.yaml cases/megatron-distopt.yaml
+                        cases/megatron-upstream-bugs.yaml cases/megatron-distopt.yaml cases/megatron-proxy.yaml
 
 # Goldens (harness.judging.golden): the bits of cases/<c>.yaml for GOLDEN_ITERS steps in goldens/<c>, recorded and
 # checked under one arithmetic, so a change that moves every layout alike fails `make verify-golden` (CI), a
@@ -62,7 +62,7 @@ MEGATRON_LM ?=
 PRETRAIN_SCRIPT = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_gpt.py,megatron_trainer/standin/pretrain_gpt.py)
 CAPTURE_DIR ?= reports/capture
 
-.PHONY: lint verify verify-megatron verify-overlap verify-distopt verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
+.PHONY: lint verify verify-megatron verify-overlap verify-distopt verify-proxy verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -91,6 +91,11 @@ verify-overlap: $(STAMP)
 # the distributed optimizer (ZeRO-1, sharded fingerprints) vs plain DDP at DP=2 and DP=4, its overlaps on vs off
 verify-distopt: $(STAMP)
 	$(BIN)/bitparity verify cases/megatron-distopt.yaml $(ARGS)
+
+# Megatron's DeepSeek-V3 proxy configuration at tiny size: TP 2 + SP, P 4 interleaved, EP 2, DP 2, the distributed
+# optimizer with both overlaps, MTP (16 rank processes); layouts bitwise at TP 2, TP 1 vs 2 by rounding
+verify-proxy: $(STAMP)
+	$(BIN)/bitparity verify cases/megatron-proxy.yaml $(ARGS)
 
 # megatron-core's own history: upstream bugs caught on the release that had them and passing on the one that
 # fixed them (and the open ones caught on every version); run under PY=3.12 too (CI runs both)
