@@ -299,6 +299,24 @@ def test_shard_partials_on_the_kernels_combine_to_the_whole(dtype, monkeypatch):
     assert len(calls) == 3 and all(calls), "the whole words must go through the kernel"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ranges_within_two_piece_tp_slices_on_the_kernels_combine_to_the_whole(dtype):
+    """A gated fc1's TP slices (two pieces each, `Shard.pieces`) cut again into distributed-optimizer ranges
+    (`Shard.within`) at odd offsets: the device sums of their whole words and the host's cut words combine to
+    the whole tensor's fingerprint."""
+    from trainerkit import fingerprint_shard as fs
+    t = sample(dtype, (40, 24), seed=7)
+    want = ref(t)
+    locs, shards = [], []
+    for r in range(2):                         # rows r*10:(r+1)*10 of the gate half, then of the up half
+        pieces = ((r * 10, 10), (20 + r * 10, 10))
+        local = torch.cat([t.narrow(0, o, n) for o, n in pieces]).contiguous()
+        for a, b in ((0, 131), (131, 317), (317, local.numel())):
+            locs.append(local.reshape(-1)[a:b])
+            shards.append(fs.Shard((40, 24), 0, pieces[0][0], pieces, (a, b)))
+    assert fs.combine(fs.partial_many(locs, shards)) == want
+
+
 def test_word_sums_at_a_word_base_match_the_definition():
     """A piece's terms use its global word indices: word_sums of words at base 10**12 equal the host terms."""
     words = sample(torch.int64, (300,), seed=6)
