@@ -163,7 +163,8 @@ def _variant(name: str, role: str, trace: Trace, header: dict, verdict: Verdict,
         first_divergence=cmp.first_divergence if cmp else None, series=series(trace, cmp),
         family_mismatches=cmp.family_mismatches if cmp else {}, run_dir=run_dir, compare_to=compare_to,
         trainer=header.get("trainer", DEFAULT_TRAINER), expert_model_parallel_size=trace.expert_model_parallel_size,
-        data_parallel_size=trace.data_parallel_size, inventory=list(cmp.inventory) if cmp else [],
+        data_parallel_size=trace.data_parallel_size, tensor_model_parallel_size=trace.tensor_model_parallel_size,
+        inventory=list(cmp.inventory) if cmp else [],
         command=_command(header, role),
         mtp_num_layers=next((len(x["mtp"]) for st in trace.steps for x in st.losses), None), **extra)
 

@@ -254,6 +254,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
             expert_model_parallel_size=run.config.parallel.expert_model_parallel_size,
             data_parallel_size=run.config.parallel.data_parallel_size, overlap_coverage=coverage,
+            tensor_model_parallel_size=run.config.parallel.tensor_model_parallel_size,
+            sequence_parallel=run.config.parallel.sequence_parallel,
             overlap=run.config.parallel.overlap_moe_expert_parallel_comm,
             delay_wgrad=run.config.parallel.delay_wgrad_compute,
             vpp=run.layout.virtual_pipeline_model_parallel_size, mtp_standalone=run.layout.mtp_standalone,
@@ -287,8 +289,9 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
                                            crossimpl.expectation(spec, chosen.config))
         progress(f"[cross-implementation] {cross['reason']}")
     elif chosen is not None:
+        against = next((r.config for r in plan.runs if spec.against and r.spec.name == spec.against), None)
         cross = judge_cross_implementation(crossimpl.run(spec, chosen.config, work / "cross-implementation",
-                                                         timeout, launcher, progress, deadline),
+                                                         timeout, launcher, progress, deadline, against),
                                            crossimpl.expectation(spec, chosen.config))
         progress(f"      {cross['verdict'].upper()}: {cross['reason']}")
         (work / "cross-implementation" / "cross_implementation.json").write_text(json.dumps(cross, indent=1))

@@ -50,6 +50,29 @@ def test_the_proxy_case_passes_with_its_stated_outcomes(proxy):
     assert "TP=2 SP" in proc.stdout
 
 
+def test_tp_2_is_within_its_ulp_bound_of_tp_1_and_says_so(proxy):
+    """The case's cross_implementation with `against`: megatron-core at TP = 2 vs TP = 1, one trainer's two runs
+    at step 0, every loss and gradient within the stated bound (measured: losses 1 ULP, gradients 5e4 ULP at
+    tensor scale; the bound 2^19)."""
+    proc, _, runs = proxy
+    cross = json.loads((runs.parent / "summary.json").read_text())["cross_implementation"]
+    assert cross["verdict"] == "pass", cross["reason"]
+    assert cross["trainers"] == ["proxy-p4v2-mtp-standalone", "proxy-p4v2-tp1"], cross["trainers"]
+    assert cross["headline"]["loss_max_ulp"] <= 16 and cross["headline"]["tensors"] > 100, cross["headline"]
+    assert "proxy-p4v2-mtp-standalone vs proxy-p4v2-tp1" in proc.stdout
+
+
+@pytest.mark.parametrize("against, fragment", [
+    ("nope", "against: 'nope' is not a variant"),
+    ("proxy-p4v2-mtp-standalone", "is the variant itself"),
+])
+def test_a_bad_against_is_one_line(tmp_path, against, fragment):
+    (tmp_path / "bad.yaml").write_text(f"extends: {CASE}\nname: bad\ncross_implementation: "
+                                       f"{{variant: proxy-p4v2-mtp-standalone, against: {against}, step: 0}}\n")
+    proc = run_cli("verify", tmp_path / "bad.yaml", "--out", tmp_path / "out")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
+
+
 def _headers(run_dir):
     return [json.loads(f.read_text().splitlines()[0]) for f in sorted(run_dir.glob("rank*.jsonl"))]
 
@@ -136,3 +159,25 @@ def test_bad_tensor_parallel_input_is_one_line_and_exit_2(tmp_path, variant, fra
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "out" / "bad").exists()
+
+
+@pytest.mark.parametrize("variant, model, fragment", [
+    ({"sequence_parallel": False}, {}, "needs sequence_parallel: true"),
+    ({"options": {"seq_length": 7}}, {}, "training.seq_length=7 is not a multiple of tensor_model_parallel_size"),
+    ({}, {"vocab_size": 257}, "model.vocab_size=257 is not a multiple of tensor_model_parallel_size=2"),
+    ({}, {"ffn_hidden_size": 63}, "model.ffn_hidden_size=63"),
+    ({"expert_tensor_parallel_size": 2, "expert_model_parallel_size": 1}, {"moe_ffn_hidden_size": 15},
+     "model.moe_ffn_hidden_size=15 is not a multiple of expert_tensor_parallel_size=2"),
+    ({}, {"moe_shared_expert_intermediate_size": 15}, "model.moe_shared_expert_intermediate_size=15"),
+])
+def test_sizes_tensor_parallelism_cannot_split_are_one_line_before_any_rank(tmp_path, variant, model, fragment):
+    """Found by a fresh user: each of these passed validation and then failed in megatron's ranks."""
+    fields = {"name": "bad", "pipeline_model_parallel_layout": "Et|t|t|t|t|tmL", "pipeline_model_parallel_size": 2,
+              "tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1,
+              "expert_model_parallel_size": 2, "data_parallel_size": 2, **variant}
+    (tmp_path / "bad.yaml").write_text(f"extends: {CASE}\nname: bad\nmodel: {json.dumps(model)}\n"
+                                       f"variants:\n  - {json.dumps(fields)}\n")
+    proc = run_cli("verify", tmp_path / "bad.yaml", "--out", tmp_path / "out")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr

@@ -276,9 +276,6 @@ def check_expert_parallel(model: ModelConfig, training: TrainingConfig, parallel
     """
     ep, dp = parallel.expert_model_parallel_size, parallel.data_parallel_size
     tp, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel
-    if parallel.sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel splits activations over the tensor-parallel ranks: it needs "
-                         "tensor_model_parallel_size > 1")
     if tp > 1 or etp > 1:       # megatron's expert grid: ETP x EP x expert-DP over the same ranks as TP x DP
         if (tp * dp) % (etp * ep):
             raise ValueError(f"expert_tensor_parallel_size x expert_model_parallel_size = {etp} x {ep} does not "
@@ -300,6 +297,41 @@ def check_expert_parallel(model: ModelConfig, training: TrainingConfig, parallel
     if tokens % ep:
         raise ValueError(f"seq_length*micro_batch_size={tokens} is not divisible by expert_model_parallel_size={ep} "
                          "(each EP rank dispatches an equal contiguous shard of a microbatch's tokens)")
+
+
+def check_tensor_parallel(model: ModelConfig, training: TrainingConfig, parallel: ParallelConfig) -> None:
+    """What tensor (and sequence) parallelism needs of the model (megatron/core/tensor_parallel/layers.py: a
+    column-parallel layer splits its output size over the TP ranks, a row-parallel one its input size; the
+    vocabulary-parallel embedding the vocabulary; MLA's local-spec down projections are column-parallel, so
+    q_lora_rank and kv_lora_rank + qk_pos_emb_head_dim split too; routed experts split over expert TP), checked
+    here so a bad size is one line before any rank starts, not megatron's assertion in a rank.
+
+    Raises:
+        ValueError: one line naming the size, its value and the parallel size it must be a multiple of."""
+    tp, etp, sp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel, parallel.sequence_parallel
+    if sp and tp == 1:
+        raise ValueError("sequence_parallel splits activations over the tensor-parallel ranks: it needs "
+                         "tensor_model_parallel_size > 1")
+    if tp > 1 and any(model.moe_layers) and not sp:
+        raise ValueError(f"tensor_model_parallel_size={tp} with MoE layers needs sequence_parallel: true (megatron's "
+                         "MoE layer refuses to train under TP without it, transformer/moe/moe_layer.py)")
+    sizes = [("model.num_attention_heads", model.num_attention_heads, tp, "tensor_model_parallel_size"),
+             ("model.vocab_size", model.vocab_size, tp, "tensor_model_parallel_size"),
+             ("model.hidden_size", model.hidden_size, tp, "tensor_model_parallel_size"),
+             ("model.ffn_hidden_size", model.ffn_hidden_size, tp, "tensor_model_parallel_size"),
+             ("model.moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size, tp,
+              "tensor_model_parallel_size"),
+             ("model.q_lora_rank", model.q_lora_rank, tp, "tensor_model_parallel_size"),
+             ("model.kv_lora_rank + model.qk_pos_emb_head_dim", model.kv_lora_rank + model.qk_pos_emb_head_dim, tp,
+              "tensor_model_parallel_size"),
+             ("model.moe_ffn_hidden_size", model.moe_ffn_hidden_size, etp, "expert_tensor_parallel_size")]
+    if sp:
+        sizes.append(("training.seq_length", training.seq_length, tp,
+                      "tensor_model_parallel_size (sequence_parallel splits each sequence)"))
+    for what, value, by, name in sizes:
+        if by > 1 and value % by:
+            raise ValueError(f"{what}={value} is not a multiple of {name}={by} (megatron splits it over the "
+                             "tensor-parallel ranks)")
 
 
 def check_data_parallel_microbatches(training: TrainingConfig, parallel: ParallelConfig) -> None:
@@ -383,6 +415,7 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _expert_parallel(self):
         check_expert_parallel(self.model, self.training, self.parallel)
+        check_tensor_parallel(self.model, self.training, self.parallel)
         check_data_parallel_microbatches(self.training, self.parallel)
         bad = next((k for k in self.megatron if not re.fullmatch(r"[a-z_][a-z0-9_]{0,99}", k)), None)
         if bad is not None:

@@ -26,6 +26,11 @@ Beside it the record names the farthest gradient (the largest ULP at tensor scal
 tensor, the first one in canonical order.  A gradient that is all zero in one trainer and not in the other is
 said so in words (`harness.judging.ulp.scale_words`), not as a ULP count at the scale of zero.
 
+``against`` (a variant of the same case) compares the chosen run with that run by the same trainer instead of
+the other trainer: the same computation by two parallel implementations, e.g. megatron-core at TP = 2 against
+TP = 1 (the row-parallel layers sum partial products over the TP ranks: rounding, bounded in ULPs here).  The
+record's ``trainers`` then name the two variants.
+
 A case states what the comparison must show (`expect`, `first_beyond_bound`, `bug`, per megatron-core
 version); a run that carries more than one upstream bug states each further one with a tensor it puts beyond
 the bound (`more_bugs`), and the record names every stated bug with the tensor it explains (``bugs``).
@@ -70,6 +75,8 @@ class CrossImplementationSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     variant: Optional[str] = None      # the run to repeat with the other trainer (default: the baseline)
+    # another variant, run by the same trainer, to compare with instead of the other trainer (module docstring)
+    against: Optional[str] = None
     # the step whose gradients and parameters are dumped and compared: 0, the only step both trainers start
     # from identical weights (harness.planning.cases refuses others, saying why)
     step: int = Field(0, ge=0)
@@ -87,7 +94,7 @@ class CrossImplementationSpec(BaseModel):
     more_bugs: list[StatedBug] = Field(default_factory=list, max_length=8)
     # per megatron-core version (PEP 440 specifiers; the first match replaces expect / first_beyond_bound / bug)
     megatron_versions: list["CrossVersionExpectation"] = Field(default_factory=list, max_length=16)
-    _printable = field_validator("variant", "first_beyond_bound", "bug")(printable)
+    _printable = field_validator("variant", "against", "first_beyond_bound", "bug")(printable)
 
 
 class CrossVersionExpectation(BaseModel):
@@ -205,7 +212,8 @@ def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
     sa = next(s for s in a.steps if s.step == step)
     sb = next(s for s in b.steps if s.step == step)
     rec: dict = {"step": step, "max_ulp": max_ulp, "first_beyond_bound": None}
-    keys_a, keys_b = set(a.params), set(b.params)
+    # replicas repeat their original (checked per trace), and another parallel layout has other ones (@tp1, @dp1)
+    keys_a, keys_b = ({k for k in t.params if "@" not in k} for t in (a, b))
     rec["inventory"] = {
         "only_in_" + trainers[0]: sorted(keys_a - keys_b), "only_in_" + trainers[1]: sorted(keys_b - keys_a),
         "shape_differs": sorted(k for k in keys_a & keys_b if a.params[k]["shape"] != b.params[k]["shape"]),
@@ -280,8 +288,10 @@ def compare(a: Trace, ta: dict, b: Trace, tb: dict, step: int, max_ulp: int,
     return rec
 
 
-def _base(spec: CrossImplementationSpec, cfg: RunConfig) -> dict:
-    return {"trainers": [cfg.trainer, other_trainer(cfg.trainer)], "variant": spec.variant, "step": spec.step,
+def _base(spec: CrossImplementationSpec, cfg: RunConfig, against: Optional[RunConfig] = None) -> dict:
+    labels = [cfg.trainer, other_trainer(cfg.trainer)] if against is None else \
+        [spec.variant or "baseline", spec.against]
+    return {"trainers": labels, "variant": spec.variant, "against": spec.against, "step": spec.step,
             "max_ulp": spec.max_ulp, "params_dtype": spec.params_dtype, "device": cfg.device}
 
 
@@ -291,19 +301,25 @@ def not_run(spec: CrossImplementationSpec, cfg: RunConfig, reason: str) -> dict:
 
 
 def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: float, launcher: str,
-        progress: Callable[[str], None] = print, deadline: Deadline = Deadline(None)) -> dict:
-    """Run `cfg` (the chosen variant's config) with its own trainer and with the other one, each dumping every
-    parameter's gradient and updated value at ``spec.step``, and compare them (`compare`).  Returns the measured
-    record (``verdict`` pass / fail / error against the bound alone, ``reason``, per-loss and per-tensor rows,
+        progress: Callable[[str], None] = print, deadline: Deadline = Deadline(None),
+        against: Optional[RunConfig] = None) -> dict:
+    """Run `cfg` (the chosen variant's config) with its own trainer and with the other one (or, with
+    ``spec.against``, the config `against` of that variant by the same trainer), each dumping every parameter's
+    gradient and updated value at ``spec.step``, and compare them (`compare`).  Returns the measured record
+    (``verdict`` pass / fail / error against the bound alone, ``reason``, per-loss and per-tensor rows,
     ``headline``); `harness.judging.judge.judge_cross_implementation` judges it against the case's `expectation`."""
-    first, second = cfg.trainer, other_trainer(cfg.trainer)
     cfg = cfg.model_copy(update={"params_dtype": spec.params_dtype})
-    base = _base(spec, cfg)
+    base = _base(spec, cfg, against)
+    first, second = base["trainers"]
+    other = cfg.model_copy(update={"trainer": second, "inject": None}) if against is None else \
+        against.model_copy(update={"params_dtype": spec.params_dtype})
     try:
         progress(f"[cross-implementation] {first} vs {second} at step {spec.step} ({spec.params_dtype}) ...")
-        a, ta, ea = _run(cfg, spec.step, work / first, timeout, launcher, deadline)
-        b, tb, eb = _run(cfg.model_copy(update={"trainer": second, "inject": None}), spec.step,
-                         work / second, timeout, launcher, deadline)
+        # the run directories are named by trainer, or the two runs of one trainer "a" and "b" (variant names
+        # may hold a "/")
+        dirs = (first, second) if against is None else ("a", "b")
+        a, ta, ea = _run(cfg, spec.step, work / dirs[0], timeout, launcher, deadline)
+        b, tb, eb = _run(other, spec.step, work / dirs[1], timeout, launcher, deadline)
         rec = compare(a, ta, b, tb, spec.step, spec.max_ulp, (first, second))
         rec.update(base, elapsed_s={first: ea, second: eb})
     except (RuntimeError, TraceError, StopIteration) as e:

@@ -113,6 +113,8 @@ class VariantResult:
     replica_status: dict = field(default_factory=dict)
     expert_model_parallel_size: int = 1           # EP
     data_parallel_size: int = 1                   # DP (megatron-core; the run has pp x max(DP, EP) ranks)
+    tensor_model_parallel_size: int = 1                 # TP (megatron-core)
+    sequence_parallel: bool = False
     # megatron's MoE 1F1B overlap as it ran (`harness.judging.trace.overlap_coverage`): {"merged": {rank: [per step]},
     # "backward_dw": {...}, "warning": str | None}; {} without the overlap
     overlap_coverage: dict = field(default_factory=dict)

@@ -24,6 +24,7 @@ from trainerkit.config import (
     TrainingConfig,
     check_data_parallel_microbatches,
     check_expert_parallel,
+    check_tensor_parallel,
     overlap_problem,
 )
 from trainerkit.data import DataError, TokenDataset
@@ -229,10 +230,35 @@ def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: l
                 expectations.check_place_name(f"{at}: {key}" + (f"[{j}].beyond_bound" if key == "more_bugs"
                                                                  else ""), place, spec.model)
     mine = run.config.model_copy(update={"params_dtype": x.params_dtype})
+    if x.against is not None:
+        _check_against(where, x.against, name, runs, names, mine)
+        return
     other = mine.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
     problem = trainers.problem(mine) or trainers.problem(other)
     if problem:
         raise UsageError(f"{where}: variant {name!r} cannot run on the other trainer: {problem}")
+
+
+def _check_against(where: str, against: str, name: str, runs: list, names: list, mine) -> None:
+    """``against``: another planned variant, run by the same trainer (the same computation by another parallel
+    implementation), in the check's dtype.
+
+    Raises:
+        UsageError: it names no variant, the chosen one itself, or one of another trainer."""
+    if against not in names:
+        raise UsageError(f"{where}: against: {against!r} is not a variant")
+    if against == name:
+        raise UsageError(f"{where}: against: {against!r} is the variant itself")
+    other = next((r for r in runs if r.spec.name == against), None)
+    if other is None:
+        raise UsageError(f"{where}: against: variant {against!r} is left out (--only): run it too")
+    if other.config.trainer != mine.trainer:
+        raise UsageError(f"{where}: against: {against!r} runs on {other.config.trainer}, {name!r} on "
+                         f"{mine.trainer}: without the other trainer, compare one trainer's two runs")
+    problem = trainers.problem(mine) or trainers.problem(other.config.model_copy(
+        update={"params_dtype": mine.params_dtype}))
+    if problem:
+        raise UsageError(f"{where}: {problem}")
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -338,6 +364,10 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         check_expert_parallel(spec.model, training, parallel)
     except ValueError as e:
         raise UsageError(f"{where}: expert_model_parallel_size: {e}") from None
+    try:
+        check_tensor_parallel(spec.model, training, parallel)
+    except ValueError as e:
+        raise UsageError(f"{where}: {e}") from None
     try:
         check_data_parallel_microbatches(training, parallel)
     except ValueError as e:

@@ -103,7 +103,10 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
             fd = "—" if v.verdict == "pass" else md_cell(v.reason) or "—"
         else:
             fd = md_cell(fd)
-        lines.append(f"| {name} | {md_cell(v.layout)} | {int(v.pp)} | {int(v.vpp)} | "
+        tp = int(getattr(v, "tensor_model_parallel_size", 1) or 1)
+        layout = md_cell(v.layout) + (f" (TP {tp}{', SP' if getattr(v, 'sequence_parallel', False) else ''})"
+                                      if tp > 1 else "")
+        lines.append(f"| {name} | {layout} | {int(v.pp)} | {int(v.vpp)} | "
                      f"{md_cell(v.reductions)} | {md_cell(clip_words(v.clip_grad))} | "
                      f"{md_cell(v.expect)} | {_VERDICT_MD.get(v.verdict, md_cell(v.verdict))}"
                      f"{' ' + md_cell(v.outcome) if v.outcome and v.outcome != v.verdict else ''} | {fd} |")

@@ -53,6 +53,8 @@ def _variant(v: VariantResult, baseline: str) -> dict:
         "vpp": int(v.vpp),
         "ep": int(v.expert_model_parallel_size),
         "dp": int(getattr(v, "data_parallel_size", 1) or 1),
+        "tp": int(getattr(v, "tensor_model_parallel_size", 1) or 1),
+        "sp": bool(getattr(v, "sequence_parallel", False)),
         "overlap_coverage": json_safe(dict(v.overlap_coverage)) if isinstance(getattr(v, "overlap_coverage", None), dict) else {},
         "schedule": v.schedule,
         "mtp_standalone": bool(v.mtp_standalone),
@@ -89,7 +91,7 @@ def summary_dict(result: CaseResult) -> dict:
     Schema::
 
         {"case": str, "baseline": str, "elapsed_s": float,
-         "variants": [{"name": str, "layout": str, "pp": int, "vpp": int, "ep": int, "schedule": str,
+         "variants": [{"name": str, "layout": str, "pp": int, "vpp": int, "ep": int, "dp": int, "tp": int, "sp": bool, "schedule": str,
                        "mtp_standalone": bool,
                        "expect": "bitwise"|"may_diverge"|"diverge", "verdict": "pass"|"fail"|"error",
                        "outcome": "reference"|"equal"|"differs only where allowed"|"differs as expected"|

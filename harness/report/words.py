@@ -364,12 +364,17 @@ def bug_words(v: VariantResult) -> Optional[str]:
     A run whose expectation demands the bug (``diverge``, ``not_finite``) and passes: ``caught`` with what moved
     first and how far — the first divergence (step, kind, tensor; ULPs of a scalar), the largest per-element ULP
     distance in the ULP evidence and which tensor, or where training first stopped being finite; failing: ``NOT
-    caught`` and why.  A bug stated with an expectation of equality, or only for other megatron versions
-    (``bug_elsewhere``): whether it is absent here."""
+    caught`` and why.  A bug stated with a replica drift (``replica_drift``: a run whose copies train apart):
+    ``caught`` with the first broken replica.  A bug stated with an expectation of equality, or only for other
+    megatron versions (``bug_elsewhere``): whether it is absent here."""
     bug = getattr(v, "bug", None)
     lines = []
+    drift = (getattr(v, "replica_status", None) or {}).get("consistent") is False
     if bug and v.expect in ("diverge", "not_finite"):
         lines.append(_caught(v, bug))
+    elif bug and drift:         # a stated replica drift (`replica_drift`): the bug shows as copies training apart
+        lines.append(f"{clean_text(bug)}: {'caught' if v.verdict == 'pass' else 'NOT as stated'} — "
+                     f"{clean_text(v.replica_status.get('detail', ''))}")
     elif bug:
         lines.append(f"{clean_text(bug)}: {'absent here' if v.verdict == 'pass' else 'NOT as stated'} — "
                      f"{clean_text(v.reason)}")

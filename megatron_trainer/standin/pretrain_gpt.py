@@ -5,7 +5,8 @@ Same main block as Megatron-LM's ``pretrain_gpt.py`` of core_r0.19 (``parse_and_
 ``gpt_config_from_args``, ``pretrain_cfg_container_from_args``, ``pretrain(full_config, datasets provider,
 ModelType.encoder_or_decoder, forward_step, get_embedding_ranks=...)``): megatron's own training loop, model
 builder, mock dataset and MTP embedding ranks.  The forward step and loss function are pretrain_gpt's for
-TP = CP = 1 without packed sequences (the capture refuses TP / CP > 1): the batch is read on the stages that
+CP = 1 without packed sequences (the capture refuses CP > 1), any TP (every TP rank reads the batch itself, where
+Megatron-LM's reads it on TP rank 0 and broadcasts the same tensors): the batch is read on the stages that
 need it (first, last, MTP), ``loss_func`` returns ``(sum(CE * mask), num_tokens, {"lm loss": [sum, tokens]})``.
 Run it as the training script of ``python -m megatron_trainer.pretrain``; with a Megatron-LM checkout, run the
 checkout's own ``pretrain_gpt.py`` instead.
@@ -27,7 +28,7 @@ from megatron.training.arguments import core_transformer_config_from_args, parse
 
 
 def _needs_batch(vp_stage) -> bool:
-    """pretrain_gpt.is_dataset_built_on_rank at TP = 1: the first and last stage and a stage holding MTP."""
+    """pretrain_gpt.is_dataset_built_on_rank, on every TP rank (module docstring): the first and last stage and a stage holding MTP."""
     config = core_transformer_config_from_args(get_args())
     first = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     last = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -57,7 +58,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model=None):
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """pretrain_gpt.forward_step (TP = CP = 1): the model's per-token losses and the loss function; under the
+    """pretrain_gpt.forward_step (CP = 1): the model's per-token losses and the loss function; under the
     MoE 1F1B overlap the chunk's schedule plan."""
     from megatron.core.utils import get_attr_wrapped_model
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
