@@ -22,13 +22,11 @@ from trainerkit.config import (
     ParallelConfig,
     RunConfig,
     TrainingConfig,
-    check_data_parallel_microbatches,
-    check_expert_parallel,
-    check_tensor_parallel,
     overlap_problem,
 )
 from trainerkit.data import DataError, TokenDataset
 from trainerkit.layout import LayoutError, PipelineLayout
+from trainerkit.parallel_rules import check_data_parallel_microbatches, check_expert_parallel, check_tensor_parallel
 from trainerkit.schedule import ScheduleError, build_schedule, simulate
 
 from ..errors import UsageError
