@@ -57,7 +57,8 @@ LONG_ITERS  ?= 8
 # tiny model of cases/pretrain/tiny-moe-mtp.args trained twice, MTP after the last decoder layer (Et|tmL) and MTP in
 # a stage without decoder layers (Ett|mL; both co-located with the loss in Megatron's sense), 2 ranks over gloo, then
 # `bitparity compare`.  MEGATRON_LM=<checkout>: the checkout's pretrain_gpt.py
-# (its megatron/ first on the path); else bitparity's stand-in on the installed megatron-core (>= 0.17: PY=3.12).
+# (its megatron/ first on the path; the venv's bin first on PATH: rank 0 compiles the checkout's dataset helpers
+# with `python3 -m pybind11`); else bitparity's stand-in on the installed megatron-core (>= 0.17: PY=3.12).
 MEGATRON_LM ?=
 PRETRAIN_SCRIPT = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_gpt.py,megatron_trainer/standin/pretrain_gpt.py)
 CAPTURE_DIR ?= reports/capture
@@ -107,7 +108,7 @@ capture-demo: $(STAMP)
 	@set -e; mkdir -p $(CAPTURE_DIR); args="$$(grep -v '^ *#' cases/pretrain/tiny-moe-mtp.args)"; \
 	for run in "layout-a Et|tmL" "layout-b Ett|mL"; do set -- $$run; \
 	  echo "== $(PRETRAIN_SCRIPT), layout $$2 -> $(CAPTURE_DIR)/$$1"; \
-	  OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+	  PATH="$(abspath $(BIN)):$$PATH" OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
 	    -m megatron_trainer.pretrain --bitparity-out $(CAPTURE_DIR)/$$1 --bitparity-init 7 $(PRETRAIN_SCRIPT) \
 	    $$args --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "$$2" > $(CAPTURE_DIR)/$$1.log 2>&1 \
 	    || { tail -30 $(CAPTURE_DIR)/$$1.log; exit 1; }; \
