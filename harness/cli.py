@@ -352,7 +352,16 @@ def _one_line(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``bitparity`` console script; returns the exit code.  `argv` None: this process's
-    command line (a --budget then counts from the process's start, `harness.STARTED`); else from this call."""
+    command line (a --budget then counts from the process's start, `harness.STARTED`; once the code is known a
+    Ctrl-C no longer interrupts the interpreter's shutdown, `interrupt.done`); else from this call."""
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:
+            interrupt.done()
+
+
+def _main(argv: list[str] | None) -> int:
     started = harness.STARTED if argv is None else None
     argv = sys.argv[1:] if argv is None else argv
 

@@ -55,3 +55,12 @@ def check() -> None:
     if _received is not None:
         raise KeyboardInterrupt
 
+
+def done() -> None:
+    """The harness has its exit code and has written everything: a Ctrl-C from now on would arrive during the
+    interpreter's shutdown, inside an atexit finalizer (multiprocessing's, reaping the forkserver, or torch's),
+    and print that finalizer's traceback (seen once on CI: Ctrl-C as a run ended).  Ignore SIGINT for the rest
+    of the process's life; SIGTERM still ends it.  Only for the process's own command line (`installed`)."""
+    if _installed:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
