@@ -282,7 +282,10 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     cross = None
     spec = plan.spec.cross_implementation
     chosen = next((r for r in plan.runs if spec and r.spec.name == (spec.variant or base_name)), None)
-    if spec and chosen is None:
+    if spec and spec.against and not any(r.spec.name == spec.against for r in plan.runs):
+        chosen = None
+        progress(f"[cross-implementation] skipped: variant {spec.against!r} (against) is not among the runs (--only)")
+    elif spec and chosen is None:
         progress(f"[cross-implementation] skipped: variant {spec.variant or base_name!r} is not among the runs (--only)")
     if chosen is not None and deadline.spent():
         cross = judge_cross_implementation(crossimpl.not_run(spec, chosen.config, deadline.not_started().error),

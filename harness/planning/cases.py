@@ -242,14 +242,15 @@ def _check_against(where: str, against: str, name: str, runs: list, names: list,
     implementation), in the check's dtype.
 
     Raises:
-        UsageError: it names no variant, the chosen one itself, or one of another trainer."""
+        UsageError: it names no variant, the chosen one itself, or one of another trainer (a variant left out
+            by ``--only`` skips the check, as its own variant does)."""
     if against not in names:
         raise UsageError(f"{where}: against: {against!r} is not a variant")
     if against == name:
         raise UsageError(f"{where}: against: {against!r} is the variant itself")
     other = next((r for r in runs if r.spec.name == against), None)
-    if other is None:
-        raise UsageError(f"{where}: against: variant {against!r} is left out (--only): run it too")
+    if other is None:           # left out by --only: the check is skipped with it, as with its own variant
+        return
     if other.config.trainer != mine.trainer:
         raise UsageError(f"{where}: against: {against!r} runs on {other.config.trainer}, {name!r} on "
                          f"{mine.trainer}: without the other trainer, compare one trainer's two runs")
