@@ -14,7 +14,8 @@ starts from another case and deep-merges this file's mappings over it)::
     trainer: reference               # or megatron-core (harness.planning.trainers); a variant may set its own
     cross_implementation: {variant: pp1, step: 0, max_ulp: 16}   # optional: that run again by the other
                                      # trainer, from the same weights and data, compared in ULPs (harness.judging.crossimpl;
-                                     # both in params_dtype: float32 by default)
+                                     # both in params_dtype: float32 by default); `against: <variant>`:
+                                     # compared with that variant by the same trainer instead (TP 2 vs TP 1)
     variants:
       - name: ...
         pipeline_model_parallel_layout: "Et*3|(tt|)*29,m|L"
