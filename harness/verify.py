@@ -282,7 +282,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     cross = None
     spec = plan.spec.cross_implementation
     chosen = next((r for r in plan.runs if spec and r.spec.name == (spec.variant or base_name)), None)
-    if spec and spec.against and not any(r.spec.name == spec.against for r in plan.runs):
+    against = next((r.config for r in plan.runs if spec and spec.against and r.spec.name == spec.against), None)
+    if spec and spec.against and against is None:
         chosen = None
         progress(f"[cross-implementation] skipped: variant {spec.against!r} (against) is not among the runs (--only)")
     elif spec and chosen is None:
@@ -292,7 +293,6 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
                                            crossimpl.expectation(spec, chosen.config))
         progress(f"[cross-implementation] {cross['reason']}")
     elif chosen is not None:
-        against = next((r.config for r in plan.runs if spec.against and r.spec.name == spec.against), None)
         cross = judge_cross_implementation(crossimpl.run(spec, chosen.config, work / "cross-implementation",
                                                          timeout, launcher, progress, deadline, against),
                                            crossimpl.expectation(spec, chosen.config))

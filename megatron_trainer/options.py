@@ -255,9 +255,9 @@ def _distributed_optimizer_problem(cfg: RunConfig) -> Optional[str]:
         return f"megatron option 'num_distributed_optimizer_instances': {n} is not a number of instances (>= 1)"
     if n > 1 and not distributed:
         return "megatron option 'num_distributed_optimizer_instances' > 1 needs use_distributed_optimizer: true"
-    expert_dp = par.data_parallel_size // par.expert_model_parallel_size
-    for size, what in ((par.data_parallel_size, "data_parallel_size"), (expert_dp, "the expert-data-parallel size "
-                                                                       "(data_parallel_size / expert_model_parallel_size)")):
+    for size, what in ((par.data_parallel_size, "data_parallel_size"),
+                       (par.expert_data_parallel_size, "the expert-data-parallel size (tensor_model_parallel_size x "
+                        "data_parallel_size / (expert_tensor_parallel_size x expert_model_parallel_size))")):
         if size % n:
             return (f"megatron option 'num_distributed_optimizer_instances': {n} does not divide {what} {size} "
                     "(each instance is an equal part of the group)")

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,11 @@ def run_cli(*args, cwd=ROOT, timeout=600, env=None):
     CompletedProcess (text mode)."""
     return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
+
+
+def variants(report: Path) -> dict:
+    """{variant name: its entry} of a case report directory's ``summary.json`` (``OUT/<case name>``)."""
+    return {v["name"]: v for v in json.loads((Path(report) / "summary.json").read_text())["variants"]}
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import textwrap
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, variants
 
 from harness.judging.compare import compare, inventory_diff, replica_status
 from harness.judging.trace import StepTrace, Trace
@@ -57,7 +57,7 @@ def report(tmp_path_factory):
 
 
 def _summary(report):
-    return {v["name"]: v for v in json.loads((report / "summary.json").read_text())["variants"]}
+    return variants(report)
 
 
 def _comparison(report, name):

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli  # noqa: E402
+from conftest import ROOT, run_cli, variants  # noqa: E402
 from planted import planted_megatron  # noqa: E402
 
 CASE = ROOT / "cases" / "megatron-distopt.yaml"
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 
 def _summary(out):
-    return {v["name"]: v for v in json.loads((out / "megatron-distopt" / "summary.json").read_text())["variants"]}
+    return variants(out / "megatron-distopt")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli  # noqa: E402
+from conftest import ROOT, run_cli, variants  # noqa: E402
 from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 from test_cli_errors import _check_usage_error  # noqa: E402
 
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 
 def _summary(out, name):
-    return {v["name"]: v for v in json.loads((out / name / "summary.json").read_text())["variants"]}
+    return variants(out / name)
 
 
 @pytest.fixture(scope="module")

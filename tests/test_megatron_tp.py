@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli  # noqa: E402
+from conftest import ROOT, run_cli, variants  # noqa: E402
 from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 
 CASE = ROOT / "cases" / "megatron-proxy.yaml"
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 
 def _summary(out):
-    return {v["name"]: v for v in json.loads((out / "megatron-proxy" / "summary.json").read_text())["variants"]}
+    return variants(out / "megatron-proxy")
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +181,16 @@ def test_sizes_tensor_parallelism_cannot_split_are_one_line_before_any_rank(tmp_
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_optimizer_instances_are_checked_against_the_expert_grid_of_tp():
+    """Expert-DP under TP is TP x DP / (ETP x EP) (megatron's expert grid): at TP 2, DP 2, EP 2, ETP 1 it is 2,
+    so two distributed-optimizer instances fit; three divide neither group."""
+    from harness.planning.cases import load_case
+    from megatron_trainer.options import _distributed_optimizer_problem
+    cfg = next(r.config for r in load_case(CASE).runs if r.spec.name == "proxy-p4v2-mtp-standalone")
+    assert cfg.parallel.expert_data_parallel_size == 2
+    two, three = ({**cfg.megatron, "num_distributed_optimizer_instances": n} for n in (2, 3))
+    assert _distributed_optimizer_problem(cfg.model_copy(update={"megatron": two})) is None
+    assert "does not divide data_parallel_size 2" in _distributed_optimizer_problem(
+        cfg.model_copy(update={"megatron": three}))

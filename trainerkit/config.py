@@ -226,6 +226,12 @@ class TrainingConfig(_Strict):
         return self
 
 
+def ranks_per_stage(tensor_model_parallel_size: int, data_parallel_size: int,
+                    expert_model_parallel_size: int) -> int:
+    """Rank processes per pipeline stage: max(TP x DP, EP) (`ParallelConfig.world_size`)."""
+    return max(tensor_model_parallel_size * data_parallel_size, expert_model_parallel_size)
+
+
 class ParallelConfig(_Strict):
     """Pipeline placement.  `virtual_pipeline_model_parallel_size` is derived from the layout."""
 
@@ -261,8 +267,15 @@ class ParallelConfig(_Strict):
         """Processes of one run: P x TP x DP on the megatron-core trainer (ETP x EP divides TP x DP), P x EP on
         the reference trainer (TP = DP = 1, its EP ranks share their microbatches); global rank =
         (pp_rank * (DP or EP) + (dp_rank or ep_rank)) * TP + tp_rank, Megatron's order with CP = 1."""
-        return self.pipeline_model_parallel_size * max(self.tensor_model_parallel_size * self.data_parallel_size,
-                                                       self.expert_model_parallel_size)
+        return self.pipeline_model_parallel_size * ranks_per_stage(
+            self.tensor_model_parallel_size, self.data_parallel_size, self.expert_model_parallel_size)
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Expert-DP as megatron's expert grid makes it (ETP x EP x expert-DP over the same ranks as TP x DP):
+        how many ranks hold a copy of each routed expert (the reference trainer: 1)."""
+        return max(1, self.tensor_model_parallel_size * self.data_parallel_size
+                   // (self.expert_tensor_parallel * self.expert_model_parallel_size))
 
     @property
     def expert_tensor_parallel(self) -> int:

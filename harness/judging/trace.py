@@ -15,6 +15,7 @@ from typing import Optional
 
 from trainerkit import fingerprint_shard, names
 from trainerkit.capture import OPTIMIZER_STATES
+from trainerkit.config import ranks_per_stage
 
 RANK_FORMAT = "bitparity-rank-trace/2"
 FORMAT = "bitparity-trace/2"
@@ -73,8 +74,8 @@ class Trace:
     @property
     def pipeline_model_parallel_size(self) -> int:
         """P, from the world size and the other parallel sizes (`trainerkit.config.ParallelConfig.world_size`)."""
-        return self.world_size // max(self.tensor_model_parallel_size * self.data_parallel_size,
-                                      self.expert_model_parallel_size, 1)
+        return self.world_size // ranks_per_stage(self.tensor_model_parallel_size, self.data_parallel_size,
+                                                  self.expert_model_parallel_size)
 
     def shapes(self) -> dict:
         """{key: global shape} of the parameters (what a sharded run's dumps are put together into)."""

@@ -23,6 +23,7 @@ from trainerkit.config import (
     RunConfig,
     TrainingConfig,
     overlap_problem,
+    ranks_per_stage,
 )
 from trainerkit.data import DataError, TokenDataset
 from trainerkit.layout import LayoutError, PipelineLayout
@@ -333,8 +334,8 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
             raise UsageError(f"{where}: options.{e}") from None
         except OSError as e:
             raise UsageError(f"{where}: options.data.path {training.data.path}: {bounds.os_reason(e)}") from None
-    P, EP = v.pipeline_model_parallel_size, max(v.expert_model_parallel_size,
-                                                v.tensor_model_parallel_size * v.data_parallel_size)
+    P, EP = v.pipeline_model_parallel_size, ranks_per_stage(v.tensor_model_parallel_size, v.data_parallel_size,
+                                                            v.expert_model_parallel_size)
     bounds.check_run_size(where, P, EP)
     try:
         layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, P,
