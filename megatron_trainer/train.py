@@ -30,7 +30,7 @@ from trainerkit.data import TokenDataset
 from trainerkit.fingerprint_shard import take
 from trainerkit.init import init_parameters
 
-from . import compat, faults, options
+from . import checkpoint, compat, faults, options
 from .coverage import OverlapCounter
 from .model import build_chunks, embedding_ranks, expert_biases, global_parameters, transformer_config
 from .optimizer_view import Traced, traced
@@ -104,12 +104,17 @@ def record_mtp_losses(recorder) -> None:
     setattr(MTPLossLoggingHelper, name, staticmethod(save))
 
 
-def _batches(data: TokenDataset, step: int, num_microbatches: int, device, dp_size: int = 1, dp_rank: int = 0):
-    """Iterator over this DP rank's microbatches of the step as megatron's forward step takes them: global
-    microbatch ``m * dp_size + dp_rank`` for m < num_microbatches (Megatron-LM's data loader hands each DP rank
-    its own slice of the global batch)."""
+def _batches(data: TokenDataset, consumed_train_samples: int, num_microbatches: int, device, dp_size: int = 1,
+             dp_rank: int = 0):
+    """Iterator over this DP rank's microbatches of the step that starts after `consumed_train_samples` samples
+    (Megatron-LM's data position, ``args.consumed_train_samples``: it is what a resumed run continues from) as
+    megatron's forward step takes them: global microbatch ``m * dp_size + dp_rank`` of the global batch for
+    m < num_microbatches (Megatron-LM's data loader hands each DP rank its own slice of the global batch)."""
+    first = consumed_train_samples // data.b
+    per_step = num_microbatches * dp_size
     for m in range(num_microbatches):
-        tokens, labels, mask = (x.to(device) for x in data.microbatch(step, m * dp_size + dp_rank))
+        g = first + m * dp_size + dp_rank
+        tokens, labels, mask = (x.to(device) for x in data.microbatch(g // per_step, g % per_step))
         positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
         yield tokens, labels, mask, positions
 
@@ -290,13 +295,18 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
                           fingerprints=cfg.capture != "losses")
     tr = r.traced
     capture.initial(tr.values())
-    for step in range(t.train_iters):
+    global_batch = t.num_microbatches * dp_size * t.micro_batch_size
+    first_step, consumed = 0, 0
+    if cfg.resume_from is not None:
+        done, consumed = checkpoint.load(r, Path(cfg.resume_from), cfg, device)
+        first_step = done + 1
+    for step in range(first_step, t.train_iters):
         start = time.perf_counter()
         capture.begin_step(step)
         for chunk in r.model:
             chunk.zero_grad_buffer()
         r.optimizer.zero_grad()
-        iterators = [_batches(data, step, t.num_microbatches, device, dp_size, dp_rank) for _ in r.chunks]
+        iterators = [_batches(data, consumed, t.num_microbatches, device, dp_size, dp_rank) for _ in r.chunks]
         forward_backward(forward_step_func=partial(_forward_step, recorder),
                          data_iterator=iterators if len(iterators) > 1 else iterators[0], model=r.model,
                          num_microbatches=t.num_microbatches, seq_length=t.seq_length,
@@ -326,6 +336,9 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
         if overlap:
             capture.set(overlap=counter.take())
         capture.end_step(time.perf_counter() - start)
+        consumed += global_batch
+        if cfg.checkpoint is not None and cfg.checkpoint.step == step:
+            checkpoint.save(r, Path(cfg.checkpoint.dir), step, consumed, cfg, device)
     capture.close()
 
 

@@ -185,16 +185,21 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
 
 
 def _check_resume_trainers(path: Path, spec: CaseSpec) -> None:
-    """Checkpoints are the reference trainer's: a megatron-core run can neither resume nor be resumed from
-    (the harness adds both to the run configs after planning, so `trainers.problem` cannot see them)."""
-    trainer = {v.name: v.trainer or spec.trainer for v in [spec.baseline] + spec.variants}
+    """A run resumes from a checkpoint of its own trainer (the formats differ: safetensors by global name,
+    megatron's ``dist_checkpointing``), one that writes checkpoints (the harness adds both to the run configs
+    after planning, so `trainers.problem` cannot see them)."""
+    trainer = {v.name: v.trainer or spec.trainer or DEFAULT_TRAINER for v in [spec.baseline] + spec.variants}
     for v in spec.variants:
         if v.resume is None:
             continue
         for who, name in (("variant", v.name), ("resume.variant", v.resume.variant)):
-            if not trainers.entry(trainer.get(name, DEFAULT_TRAINER)).checkpoints:
+            if not trainers.entry(trainer[name]).checkpoints:
                 raise UsageError(f"{path}: variant {v.name!r}: {who} {name!r} runs on trainer {trainer[name]}, which "
-                                 "does not checkpoint or resume (a reference-trainer feature)")
+                                 "does not checkpoint or resume")
+        if trainer[v.name] != trainer[v.resume.variant]:
+            raise UsageError(f"{path}: variant {v.name!r} runs on trainer {trainer[v.name]} but resumes from "
+                             f"{v.resume.variant!r} of trainer {trainer[v.resume.variant]}: a run resumes from its "
+                             "own trainer's checkpoint")
 
 
 def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: list) -> None:

@@ -132,7 +132,7 @@ def _megatron_problem(config: RunConfig) -> Optional[str]:
     """Why `config` cannot run on the megatron-core trainer: the extra must be installed (and, on CPU, be a
     version the compat layer was checked against); reductions ``megatron`` only (``canonical`` is the reference's
     layout-invariant mode); EP divides DP (megatron carves the EP ranks out of data parallelism; TP = CP = 1);
-    no activation capture, checkpoints or resume (the reference's probes); planted faults from
+    no activation capture (the reference's probes); planted faults from
     `megatron_trainer.faults` only; on CUDA one GPU per rank (ranks cannot share a GPU over NCCL); then megatron's
     own config validator (`megatron_config_problem`)."""
     version = megatron_version(config.megatron_path)
@@ -168,9 +168,6 @@ def _megatron_problem(config: RunConfig) -> Optional[str]:
                 "expert_tensor_parallel_size: 1 (Megatron's DeepSeek-V3 proxy runs ETP 1) or EP 1")
     if config.capture == "activations":
         return "trainer megatron-core: capture: activations needs the reference trainer's probes"
-    for key in ("checkpoint", "resume_from"):
-        if getattr(config, key) is not None and not entry(config.trainer).checkpoints:
-            return f"trainer megatron-core: {key} is a reference-trainer feature"
     known = entry(config.trainer).faults()
     if config.inject is not None and config.inject not in known:
         return f"trainer megatron-core: unknown fault {config.inject!r} (the megatron trainer knows: {', '.join(known)})"
@@ -235,7 +232,7 @@ REGISTRY: dict[str, Trainer] = {t.name: t for t in (
     Trainer("reference", "reference_impl.worker", _reference_problem, _reference_faults, partner="megatron-core",
             checkpoints=True),
     Trainer("megatron-core", "megatron_trainer.worker", _megatron_problem, _megatron_faults, partner="reference",
-            megatron=True, library_preload="megatron_trainer.preload"),
+            megatron=True, library_preload="megatron_trainer.preload", checkpoints=True),
 )}
 # the run description's vocabulary and the registry are one list: a name without an entry would pass a case's
 # validation and crash at launch, an entry without a name could never be chosen
