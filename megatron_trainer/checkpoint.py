@@ -17,6 +17,7 @@ The checkpoint content metadata records the sharding type, so a load asks for th
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 
@@ -32,16 +33,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint megatron cannot load into this run (one line, naming the checkpoint and the reason)."""
 
 
-def sharding_type(cfg) -> str:
+def sharding_type(cfg) -> str | None:
     """The distributed optimizer's checkpoint format Megatron-LM uses for `cfg` (`RunConfig`):
     ``fully_reshardable`` with the megatron option ``dist_ckpt_optim_fully_reshardable``, else
-    ``dp_reshardable`` (megatron/training/checkpointing.py ``_build_sharded_state_dict_metadata``)."""
+    ``dp_reshardable``; None without the distributed optimizer (megatron/training/checkpointing.py
+    ``_build_sharded_state_dict_metadata``: the key is set only with it, and its presence makes a chained
+    optimizer prefix its sub-optimizers' keys)."""
+    if not cfg.megatron.get("use_distributed_optimizer", False):
+        return None
     return "fully_reshardable" if cfg.megatron.get("dist_ckpt_optim_fully_reshardable", False) else "dp_reshardable"
 
 
-def _metadata(kind: str) -> dict:
+def _metadata(kind: str | None) -> dict:
     from megatron.core import parallel_state as ps
-    return {"distrib_optim_sharding_type": kind, **_METADATA,
+    return {**({"distrib_optim_sharding_type": kind} if kind else {}), **_METADATA,
             "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
 
 
@@ -69,6 +74,62 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
     if device.type == "cuda" and state["cuda_rng_state"] is not None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _fresh_distributed_state(optimizer) -> None:
+    """Give a distributed optimizer that has not stepped yet its Adam state before a load.  Without Apex or TE
+    (bitparity's local specs, on every device) megatron's inner optimizer is torch's Adam, whose state appears at
+    its first step, and ``DistributedOptimizer.state_dict`` asserts one common ``step`` in it
+    (distrib_optimizer.py ``state_dict``: ``assert len(steps) == 1``): a fresh run cannot build the state dict
+    it loads into.  megatron's own ``_init_optimizer_states_with_dummy_values`` (an Adam step on zero gradients,
+    which it runs for its fully-sharded format) makes the state; the load then overwrites every value it set:
+    the moments, the step, the fp32 main parameters (and, for fp32 models, the parameters they are views of)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept():
+    """While loading: the distributed optimizer's ``_set_main_param_and_optimizer_states`` copies every tensor of
+    a parameter's Adam state from the checkpoint's, ``step`` included, but the checkpoint's per-parameter state
+    has no ``step`` (megatron keeps it in the param groups and sets it first, `load_state_dict`): with torch's
+    Adam (no Apex / TE: a tensor ``step`` in every state) the ``fully_reshardable`` load raises KeyError 'step'
+    (distrib_optimizer.py, 0.16 to main).  The already-set ``step`` is handed back as its own source, a copy onto
+    itself; every other tensor is copied as megatron does."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def keep_step(self, model_param, tensors):
+        if "step" not in tensors:
+            group, order = self.model_param_group_index_map[model_param]
+            step = self.optimizer.state.get(self.optimizer.param_groups[group]["params"][order], {}).get("step")
+            if isinstance(step, torch.Tensor):
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+    DistributedOptimizer._set_main_param_and_optimizer_states = keep_step
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter's Adam state its own ``step`` tensor after a load.  Without Apex / TE the distributed
+    optimizer's ``load_state_dict`` puts ONE step tensor into every parameter's state (distrib_optimizer.py:
+    ``step = torch.tensor(...)``; ``for s in state_dict_state.values(): s["step"] = step``, 0.16 to main) and
+    torch's ``Optimizer.load_state_dict`` keeps ``step`` as it is (not copied unless fused / capturable), so
+    Adam's in-place ``step += 1`` then adds once per parameter to the one shared counter: every parameter but
+    the first is bias-corrected with a wrong step count from the first step after the resume (measured: 129 of
+    131 parameters differ after it, moments equal).  Copies with the loaded value restore per-parameter steps."""
+    import torch
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 def _state_dict(r, kind: str, is_loading: bool, device: torch.device, with_rng: bool) -> dict:
@@ -99,6 +160,22 @@ def _in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+@contextlib.contextmanager
+def _children_allowed():
+    """Let this daemonic rank process start child processes for the length of a save.  megatron-core 0.16's
+    writer forks one process per write bucket (filesystem_async.py ``write_preloaded_data_multiproc``), and
+    multiprocessing refuses children to a daemonic process (the harness's ranks are daemonic, `_in_process_write_results`).
+    The save is synchronous: the writer joins its workers before it returns, so none outlives this block."""
+    import multiprocessing
+    proc = multiprocessing.current_process()
+    was = proc._config.get("daemon")
+    proc._config["daemon"] = False
+    try:
+        yield
+    finally:
+        proc._config["daemon"] = was
+
+
 def save(r, directory: Path, step: int, consumed_train_samples: int, cfg, device: torch.device) -> None:
     """Write rank `r`'s part of the checkpoint after `step` completed into `directory` (every rank calls it with
     the same directory; rank 0 creates it).  Content metadata: the sharding type, the step, the (P, TP) the RNG
@@ -115,9 +192,11 @@ def save(r, directory: Path, step: int, consumed_train_samples: int, cfg, device
     sd = _state_dict(r, kind, is_loading=False, device=device, with_rng=True)
     sd.update(iteration=step, consumed_train_samples=consumed_train_samples, checkpoint_version=3.0)
     grid = [ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()]
-    dist_checkpointing.save(sd, str(directory), sharded_strategy=get_default_save_sharded_strategy("torch_dist"),
-                            content_metadata={**_METADATA, "distrib_optim_sharding_type": kind,
-                                              "bitparity_rng_grid": grid})
+    with _children_allowed():
+        dist_checkpointing.save(sd, str(directory),
+                                sharded_strategy=get_default_save_sharded_strategy("torch_dist"),
+                                content_metadata={**_METADATA, "distrib_optim_sharding_type": kind,
+                                                  "bitparity_rng_grid": grid})
     dist.barrier()
 
 
@@ -135,15 +214,20 @@ def load(r, directory: Path, cfg, device: torch.device) -> tuple[int, int]:
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise CheckpointError(f"{directory}: not a megatron distributed checkpoint")
     meta = dist_checkpointing.load_content_metadata(str(directory)) or {}
-    kind = meta.get("distrib_optim_sharding_type", "dp_reshardable")
+    kind = meta.get("distrib_optim_sharding_type")
     grid = [ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()]
     same_grid = meta.get("bitparity_rng_grid") == grid
+    _fresh_distributed_state(r.optimizer)
     sd = _state_dict(r, kind, is_loading=True, device=device, with_rng=same_grid)
     sd.update(iteration=0, consumed_train_samples=0, checkpoint_version=0.0)
     loaded = dist_checkpointing.load(sd, str(directory), strict="assume_ok_unexpected")
     for i, chunk in enumerate(r.chunks):
         chunk.load_state_dict(loaded["model" if len(r.chunks) == 1 else f"model{i}"], strict=True)
-    r.optimizer.load_state_dict(loaded["optimizer"])
+    # no_grad: megatron's dp_reshardable load copies into the fp32 main parameters outside it, and with fp32
+    # parameters those are views of the parameters (leaves that require grad): torch refuses the in-place copy
+    with torch.no_grad(), _torch_adam_step_kept():
+        r.optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_adam_steps(r.optimizer)
     r.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if same_grid:
         _set_rng_state(loaded["rng_state"][0], device)

@@ -30,14 +30,15 @@ from trainerkit.config import ModelConfig, ParallelConfig, RunConfig, TrainingCo
 #: rate and weight decay (what every case without them trains with).  ``lr_decay_iters`` None: train_iters.
 #: ``get_embedding_ranks``: ``pretrain_gpt`` (Megatron-LM's: first stage and the MTP stages) or
 #: ``parallel_state`` (megatron-core's ``default_embedding_ranks``: first and last rank, MTP-unaware).
+#: ``dist_ckpt_optim_fully_reshardable``: the distributed optimizer's checkpoint format (`checkpoint.sharding_type`).
 LOOP = {"lr_decay_style": "constant", "lr_warmup_iters": 0, "lr_decay_iters": None, "lr_warmup_init": 0.0,
         "start_weight_decay": None, "end_weight_decay": None, "weight_decay_incr_style": "constant",
-        "get_embedding_ranks": "pretrain_gpt"}
+        "get_embedding_ranks": "pretrain_gpt", "dist_ckpt_optim_fully_reshardable": False}
 _LOOP_TYPES = {"lr_decay_style": str, "lr_warmup_iters": Annotated[int, Field(ge=0)],
                "lr_decay_iters": Optional[Annotated[int, Field(ge=1)]], "lr_warmup_init": Annotated[float, Field(ge=0)],
                "start_weight_decay": Optional[Annotated[float, Field(ge=0)]],
                "end_weight_decay": Optional[Annotated[float, Field(ge=0)]], "weight_decay_incr_style": str,
-               "get_embedding_ranks": str}
+               "get_embedding_ranks": str, "dist_ckpt_optim_fully_reshardable": bool}
 #: options bitparity's megatron trainer cannot run, measured (each failed inside the ranks after megatron's own
 #: config checks passed), with why: refused while planning, so nothing that passes validation crashes later
 UNSUPPORTED = {
