@@ -114,10 +114,12 @@ class RankState:
 
     def state_fingerprints(self, optimizer) -> dict:
         """{`OPTIMIZER_STATES` name: `fingerprints`-like pending result} of Adam's moments of every parameter's
-        master (`optimizer.AdamW`'s state), in `self.params` order; {} when capture is "losses"."""
+        master (`optimizer.AdamW`'s state), in `self.params` order; {} when capture is "losses".  A parameter
+        without state yet (a resumed run that did not load it) has Adam's initial moments: zeros."""
         if self.cfg.capture == "losses":
             return {}
-        return {name: fingerprint_hex_many_async([optimizer.state[p.master][name] for _, _, _, p, _ in self.params])
+        return {name: fingerprint_hex_many_async([optimizer.state[p.master][name] if p.master in optimizer.state
+                                                  else torch.zeros_like(p.master) for _, _, _, p, _ in self.params])
                 for name in OPTIMIZER_STATES}
 
     def resolve(self, pending: "PendingHex | None") -> dict:
@@ -185,6 +187,12 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
     if cfg.resume_from is not None:
         first_step = checkpoint.load(state, optimizer, Path(cfg.resume_from)) + 1
         faults.after_resume(cfg.inject, optimizer)
+        # what was loaded, before the first step: the harness compares it with the saving run's state
+        moments = state.state_fingerprints(optimizer)
+        writer.write({"type": "resumed", "step": first_step - 1, "grads": {}, "grad_norm": None, "clip_coeff": None,
+                      "clipped": None, "params": state.resolve(state.fingerprints("master")),
+                      **{name: state.resolve(pending) for name, pending in moments.items()},
+                      "buffers": state.buffers(), "time_s": 0.0})
     clock = CaptureClock()
     for step in range(first_step, t.train_iters):
         start = time.perf_counter()

@@ -233,6 +233,18 @@ class RankCapture:
         """Fingerprint the initial parameter values ([tensor] aligned with `keys`) into the ``init`` record."""
         self._put({"type": "init"}, {"params": self._start(values)})
 
+    def resumed(self, step: int, values: list, states: dict, buffers: dict) -> None:
+        """The ``resumed`` record of a run that loaded a checkpoint saved after `step`: the state it loaded,
+        before its first step: parameters ([tensor] aligned with `keys`, as `params`), Adam's moments (as
+        `optimizer_state`), buffers (as `buffers`).  The harness compares it with the saving run's step `step`
+        bit for bit, under any layout (TRACE_FORMAT.md "Resumed runs")."""
+        self.begin_step(step)
+        self._record["type"] = "resumed"
+        self.optimizer_state(states)
+        self.params(values)
+        self.buffers(buffers)
+        self.end_step(0.0)
+
     def begin_step(self, step: int) -> None:
         """Open step `step` (0-based, the run's own count)."""
         self._check()

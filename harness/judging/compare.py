@@ -193,6 +193,14 @@ def compare(base: Trace, other: Trace) -> Comparison:
     # align by step number: a resumed run starts after its checkpoint step
     base_by_step = {st.step: st for st in base.steps}
     pairs = [(base_by_step[st.step], st) for st in other.steps if st.step in base_by_step]
+    if other.resumed is not None and other.resumed["step"] in base_by_step:
+        loaded = _loaded_diffs(base_by_step[other.resumed["step"]], other.resumed, keys)
+        diffs += loaded
+        if loaded and first is None:
+            d = loaded[0]
+            first = FirstDivergence(d.step, d.kind, None, d.name,
+                                    f"loaded from the checkpoint: {d.kind} {d.name} differs from what the run that "
+                                    f"saved it held after step {d.step}")
     for bs, os_ in pairs:
         for mb, name, b, o in _loss_diffs(bs, os_):
             diffs.append(Difference(bs.step, "loss", name, mb))
@@ -247,6 +255,22 @@ def compare(base: Trace, other: Trace) -> Comparison:
                                     f"{len(other.steps)} steps)")
     return Comparison(bitwise_equal=first is None, first_divergence=first, family_mismatches=counts,
                       inventory=inventory, grad_norm_ulps=norm_ulps, differences=diffs)
+
+
+def _loaded_diffs(saved, loaded: dict, keys: list) -> list[Difference]:
+    """What a resumed run loaded (`Trace.resumed`) against the saving run's step record `saved`, the step the
+    checkpoint was written after: every parameter, Adam moment and buffer must be bit-equal whatever the layout
+    (global keys; a moment or buffer one side lacks is not compared).  Moments first: a load that dropped the
+    optimizer state is named so, not by the parameters it moves one step later."""
+    step = saved.step
+    moments = [loaded.get(n, {}) for n in OPTIMIZER_STATES]
+    states = [k for k in keys if any(k in m and k in getattr(saved, n) and m[k] != getattr(saved, n)[k]
+                                     for n, m in zip(OPTIMIZER_STATES, moments))]
+    params = [k for k in keys if k in loaded.get("params", {}) and loaded["params"][k] != saved.params.get(k)]
+    buffers = [k for k in sorted(saved.buffers) if k in loaded.get("buffers", {})
+               and loaded["buffers"][k] != saved.buffers[k]]
+    return ([Difference(step, "optimizer_state", k) for k in states] + [Difference(step, "param", k) for k in params]
+            + [Difference(step, "buffer", k) for k in buffers])
 
 
 def _moments_differing(a, b, key: str) -> list[str]:

@@ -70,6 +70,9 @@ class Trace:
     expert_model_parallel_size: int = 1              # EP
     data_parallel_size: int = 1                      # DP (megatron-core); world_size = P x max(TP x DP, EP)
     tensor_model_parallel_size: int = 1              # TP (megatron-core)
+    # a run resumed from a checkpoint: what it loaded, before its first step ({step: the checkpoint's step,
+    # params, exp_avg, exp_avg_sq, buffers: key -> fingerprint}); None for a run that started from step 0
+    resumed: Optional[dict] = None
 
     @property
     def pipeline_model_parallel_size(self) -> int:
@@ -93,7 +96,7 @@ class Trace:
         return cls(**raw)
 
 
-_TYPES = ("header", "init", "step", "end")
+_TYPES = ("header", "init", "resumed", "step", "end")
 
 
 def _record(path: Path, n: int, line: str) -> dict:
@@ -105,7 +108,7 @@ def _record(path: Path, n: int, line: str) -> dict:
         raise TraceError(f"{path}:{n}: not JSON ({e.msg}; a cut-off or corrupted trace)") from None
     if not isinstance(rec, dict) or rec.get("type") not in _TYPES:
         raise TraceError(f"{path}:{n}: not a trace record (a JSON object with type {'/'.join(_TYPES)})")
-    if rec["type"] == "step" and (not isinstance(rec.get("step"), int) or not all(
+    if rec["type"] in ("step", "resumed") and (not isinstance(rec.get("step"), int) or not all(
             isinstance(rec.get(k, {}), dict) for k in ("grads", "params", "buffers", *OPTIMIZER_STATES))):
         raise TraceError(f"{path}:{n}: malformed step record (step number or fingerprint maps)")
     return rec
@@ -176,6 +179,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
             records differ from EP / DP rank 0's, or the ranks disagree on the number of steps.
     """
     params, owner, init, steps = {}, {}, {}, {}
+    resumed: dict = {}
     partials: dict = {}         # (step | "init", part, key) -> a sharded tensor's partial records, all ranks
     ep_size = dp_size = tp_size = 1
     for rank in range(world_size):
@@ -202,6 +206,9 @@ def merge(run_dir: Path, world_size: int) -> Trace:
         for rec in records[1:-1]:
             if rec["type"] == "init":
                 _take(init, rec["params"], partials, ("init", "params"))
+                continue
+            if rec["type"] == "resumed":
+                _merge_resumed(resumed, rec, partials, rank, header, replica)
                 continue
             st = steps.setdefault(rec["step"], StepTrace(step=rec["step"]))
             for part in ("grads", "params", *OPTIMIZER_STATES):
@@ -236,7 +243,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
     counts = {len(st.time_s) for st in steps.values()}
     if counts and counts != {world_size}:
         raise TraceError(f"ranks disagree on the number of steps in {run_dir}")
-    _combine_shards(partials, params, init, steps)
+    _combine_shards(partials, params, init, steps, resumed)
     order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
     for st in steps.values():       # canonical router order (by the router weight's key), whatever the layout
         st.losses = sorted(st.losses, key=lambda x: x.get("microbatch", 0))
@@ -244,7 +251,25 @@ def merge(run_dir: Path, world_size: int) -> Trace:
         _align_actions(st.actions)
     return Trace(format=FORMAT, params=params, order=order, init=init,
                  steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size,
-                 data_parallel_size=dp_size, tensor_model_parallel_size=tp_size)
+                 data_parallel_size=dp_size, tensor_model_parallel_size=tp_size, resumed=resumed or None)
+
+
+def _merge_resumed(resumed: dict, rec: dict, partials: dict, rank: int, header: dict, replica: bool) -> None:
+    """A rank's ``resumed`` record into `resumed` (the run's loaded state): every rank's parameters and moments,
+    the buffers from EP / DP / TP rank 0 (a replica rank's must equal them).
+
+    Raises:
+        TraceError: ranks name different checkpoint steps, or a replica rank loaded other buffers."""
+    if resumed.setdefault("step", rec["step"]) != rec["step"]:
+        raise TraceError(f"rank {rank}: resumed from step {rec['step']}, another rank from step {resumed['step']}")
+    for part in ("params", *OPTIMIZER_STATES):
+        _take(resumed.setdefault(part, {}), rec.get(part, {}), partials, ("resumed", part))
+    mine, first = rec.get("buffers", {}), resumed.setdefault("buffers", {})
+    for k, v in mine.items():
+        if replica:
+            _same(rank, header, rec["step"], f"loaded buffer {k}", v, first.get(k))
+        else:
+            first[k] = v
 
 
 def _take(into: dict, fingerprints: dict, partials: dict, where: tuple) -> None:
@@ -257,7 +282,7 @@ def _take(into: dict, fingerprints: dict, partials: dict, where: tuple) -> None:
             into[key] = v
 
 
-def _combine_shards(partials: dict, params: dict, init: dict, steps: dict) -> None:
+def _combine_shards(partials: dict, params: dict, init: dict, steps: dict, resumed: dict) -> None:
     """Each sharded tensor's fingerprint from its ranks' partial records (`trainerkit.fingerprint_shard`,
     TRACE_FORMAT.md "Sharded tensors"): the same fingerprint as the whole tensor's.
 
@@ -265,7 +290,7 @@ def _combine_shards(partials: dict, params: dict, init: dict, steps: dict) -> No
         TraceError: the partials do not tile the tensor (a shard missing, held twice, outside the tensor), or
             a rank holds fewer shards than the header says, naming step, part, key and ranks."""
     for (step, part, key), recs in partials.items():
-        where = f"{'init' if step == 'init' else f'step {step}'} {part} {key}"
+        where = f"{step if step in ('init', 'resumed') else f'step {step}'} {part} {key}"
         meta = params.get(key)
         if meta is None or "shards" not in meta:
             raise TraceError(f"{where}: a partial fingerprint for a parameter no rank declared sharded")
@@ -276,7 +301,8 @@ def _combine_shards(partials: dict, params: dict, init: dict, steps: dict) -> No
             value = fingerprint_shard.fingerprint_of(recs)
         except fingerprint_shard.ShardError as e:
             raise TraceError(f"{where} (ranks {[s['rank'] for s in meta['shards']]}): {e}") from None
-        (init if step == "init" else getattr(steps[step], part))[key] = value
+        into = init if step == "init" else resumed[part] if step == "resumed" else getattr(steps[step], part)
+        into[key] = value
 
 
 def check_losses(trace: Trace, num_microbatches: int, mtp_num_layers: int) -> None:
