@@ -192,7 +192,11 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
                  f"{' SP' if par.sequence_parallel else ''}{f' DP={dp}' if dp > 1 else ''}"
                  f"{f' EP={ep}' if ep > 1 else ''} "
                  f"{run.layout.text} ...")
-        outcome = deadline.run(run_ranks, run.config, work / dirs[name], timeout, launcher)
+        saver = run.spec.resume.variant if run.spec.resume else None
+        if saver is not None and not outcomes[saver].ok:
+            outcome = RunOutcome(False, f"not run: the run it resumes from, {saver!r}, did not complete", 0.0)
+        else:
+            outcome = deadline.run(run_ranks, run.config, work / dirs[name], timeout, launcher)
         trace = None
         if outcome.ok:
             try:

@@ -29,6 +29,57 @@ import torch.distributed as dist
 _METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
+def resume_problem(saver, resumer) -> str | None:
+    """Why a megatron-core run with config `resumer` cannot load the checkpoint of the run with config `saver`
+    (both `RunConfig`), in one line; None when it can.  Refused while planning, so that no rank starts:
+
+    * one with the distributed optimizer and one without: their optimizer state dicts differ in kind (measured:
+      ``Could not find parameter group with key ...`` on load);
+    * ``dp_reshardable`` (Megatron-LM's default format) under another TP or P: Megatron-LM's
+      ``load_checkpoint`` refuses it (its buffers are keyed by the saving layout's bucket structure);
+    * a MoE model at EP = 1 on one side and EP > 1 on the other: megatron builds one optimizer at EP 1 and a
+      chain of two (dense, expert) at EP > 1, and a checkpoint loads into a chain of its own length only
+      (measured, plain and distributed: ``Expected 2 entries in state dict, but got 4``)."""
+    a, b = saver.parallel, resumer.parallel
+    distopt = [c.megatron.get("use_distributed_optimizer", False) for c in (saver, resumer)]
+    if distopt[0] != distopt[1]:
+        return ("a run with the distributed optimizer and one without cannot resume from each other's checkpoint "
+                "(megatron's optimizer state dicts differ in kind); set use_distributed_optimizer alike")
+    if distopt[0] and sharding_type(saver) == "dp_reshardable" and (
+            (a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
+            != (b.tensor_model_parallel_size, b.pipeline_model_parallel_size)):
+        return ("the distributed optimizer's dp_reshardable checkpoint (Megatron-LM's default) reshards along DP "
+                "only, and Megatron-LM refuses it under another TP or P; save it with the megatron option "
+                "dist_ckpt_optim_fully_reshardable: true")
+    for c in (saver, resumer):
+        bare = _ranks_without_experts(c)
+        if c.megatron.get("use_distributed_optimizer", False) and c.parallel.expert_model_parallel_size > 1 and bare:
+            return (f"layout {c.parallel.pipeline_model_parallel_layout!r}: pipeline rank {bare[0]} holds no MoE "
+                    "layer, and without Apex / TE megatron's distributed optimizer cannot write or read the state "
+                    "of its empty expert optimizer (DistributedOptimizer.state_dict: assert len(steps) == 1, "
+                    "measured); give every pipeline rank a MoE layer")
+    if saver.model.num_moe_experts and (a.expert_model_parallel_size == 1) != (b.expert_model_parallel_size == 1):
+        return (f"expert_model_parallel_size {a.expert_model_parallel_size} -> {b.expert_model_parallel_size}: "
+                "megatron builds one optimizer at EP 1 and two (dense, expert) at EP > 1, and loads a checkpoint "
+                "into a chain of its own length only; resume between EP sizes > 1")
+    return None
+
+
+def _ranks_without_experts(cfg) -> list[int]:
+    """The pipeline ranks of `cfg`'s layout whose stages hold no MoE layer (decoder or MTP; MTP layers are MoE
+    when the model's last decoder layer is); [] for a dense model."""
+    from trainerkit.layout import PipelineLayout
+    m, par = cfg.model, cfg.parallel
+    if not m.num_moe_experts:
+        return []
+    layout = PipelineLayout.from_string(par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size,
+                                        m.num_layers, m.mtp_num_layers)
+    moe = m.moe_layers
+    return [r for r in range(par.pipeline_model_parallel_size)
+            if not any(moe[i] for flat in layout.stages_of_rank(r) for i in layout.decoder_layer_ids(flat))
+            and not (moe[-1] and any(layout.mtp_layer_ids(flat) for flat in layout.stages_of_rank(r)))]
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint megatron cannot load into this run (one line, naming the checkpoint and the reason)."""
 

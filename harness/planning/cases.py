@@ -180,6 +180,7 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     runs = [_plan(path, spec, spec.baseline, True, inject)]
     runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]
     _check_resume_trainers(path, spec)
+    _check_megatron_resume(path, runs)
     _check_cross_implementation(path, spec, runs, names)
     return CasePlan(name=case_name, path=path, spec=spec, runs=runs)
 
@@ -200,6 +201,19 @@ def _check_resume_trainers(path: Path, spec: CaseSpec) -> None:
             raise UsageError(f"{path}: variant {v.name!r} runs on trainer {trainer[v.name]} but resumes from "
                              f"{v.resume.variant!r} of trainer {trainer[v.resume.variant]}: a run resumes from its "
                              "own trainer's checkpoint")
+
+
+def _check_megatron_resume(path: Path, runs: list) -> None:
+    """A megatron-core run resumes only from a checkpoint megatron can load into it
+    (`megatron_trainer.checkpoint.resume_problem`)."""
+    configs = {r.spec.name: r.config for r in runs}
+    for r in runs:
+        if r.spec.resume is None or not trainers.runs_megatron(r.config.trainer):
+            continue
+        from megatron_trainer.checkpoint import resume_problem
+        problem = resume_problem(configs[r.spec.resume.variant], r.config)
+        if problem:
+            raise UsageError(f"{path}: variant {r.spec.name!r} resumes from {r.spec.resume.variant!r}: {problem}")
 
 
 def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: list) -> None:
