@@ -42,7 +42,8 @@ PORTABILITY_TESTS    ?= tests/test_optimizer.py tests/test_reductions.py tests/t
                         tests/test_loss_masks.py tests/test_version_expectations.py
 # (cases/smoke.yaml is not here: tests/test_verify_e2e.py runs it and asserts its verdicts)
 PORTABILITY_CASES    ?= cases/overlap-ep.yaml cases/megatron-dsv3.yaml cases/megatron-overlap.yaml \
-                        cases/megatron-upstream-bugs.yaml cases/megatron-distopt.yaml cases/megatron-proxy.yaml
+                        cases/megatron-upstream-bugs.yaml cases/megatron-distopt.yaml cases/megatron-proxy.yaml \
+                        cases/megatron-resume.yaml
 
 # Goldens (harness.judging.golden): the bits of cases/<c>.yaml for GOLDEN_ITERS steps in goldens/<c>, recorded and
 # checked under one arithmetic, so a change that moves every layout alike fails `make verify-golden` (CI), a
@@ -63,7 +64,7 @@ MEGATRON_LM ?=
 PRETRAIN_SCRIPT = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_gpt.py,megatron_trainer/standin/pretrain_gpt.py)
 CAPTURE_DIR ?= reports/capture
 
-.PHONY: lint verify verify-megatron verify-overlap verify-distopt verify-proxy verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
+.PHONY: lint verify verify-megatron verify-overlap verify-distopt verify-proxy verify-resume verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -97,6 +98,10 @@ verify-distopt: $(STAMP)
 # optimizer with both overlaps, MTP (16 rank processes); layouts bitwise at TP 2, TP 1 vs 2 by rounding
 verify-proxy: $(STAMP)
 	$(BIN)/bitparity verify cases/megatron-proxy.yaml $(ARGS)
+
+# save after step 0, resume in new processes under the same and other layouts (megatron's dist_checkpointing)
+verify-resume: $(STAMP)
+	$(BIN)/bitparity verify cases/megatron-resume.yaml $(ARGS)
 
 # megatron-core's own history: upstream bugs caught on the release that had them and passing on the one that
 # fixed them (and the open ones caught on every version); run under PY=3.12 too (CI runs both)

@@ -35,8 +35,9 @@ def resume_problem(saver, resumer) -> str | None:
 
     * one with the distributed optimizer and one without: their optimizer state dicts differ in kind (measured:
       ``Could not find parameter group with key ...`` on load);
-    * ``dp_reshardable`` (Megatron-LM's default format) under another TP or P: Megatron-LM's
-      ``load_checkpoint`` refuses it (its buffers are keyed by the saving layout's bucket structure);
+    * ``dp_reshardable`` (Megatron-LM's default format) under another layout, TP, EP or ETP: its buffers are
+      keyed by the saving layout's bucket structure (Megatron-LM's ``load_checkpoint`` refuses another TP or P;
+      another V fails in megatron's load, measured);
     * a MoE model at EP = 1 on one side and EP > 1 on the other: megatron builds one optimizer at EP 1 and a
       chain of two (dense, expert) at EP > 1, and a checkpoint loads into a chain of its own length only
       (measured, plain and distributed: ``Expected 2 entries in state dict, but got 4``)."""
@@ -45,11 +46,12 @@ def resume_problem(saver, resumer) -> str | None:
     if distopt[0] != distopt[1]:
         return ("a run with the distributed optimizer and one without cannot resume from each other's checkpoint "
                 "(megatron's optimizer state dicts differ in kind); set use_distributed_optimizer alike")
-    if distopt[0] and sharding_type(saver) == "dp_reshardable" and (
-            (a.tensor_model_parallel_size, a.pipeline_model_parallel_size)
-            != (b.tensor_model_parallel_size, b.pipeline_model_parallel_size)):
+    grid = lambda p: (p.pipeline_model_parallel_layout, p.pipeline_model_parallel_size,  # noqa: E731
+                      p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel)
+    if distopt[0] and sharding_type(saver) == "dp_reshardable" and grid(a) != grid(b):
         return ("the distributed optimizer's dp_reshardable checkpoint (Megatron-LM's default) reshards along DP "
-                "only, and Megatron-LM refuses it under another TP or P; save it with the megatron option "
+                "only: its buffers are keyed by the saving layout's buckets (measured under another V: 'Global "
+                "shape mismatch'; Megatron-LM refuses another TP or P); save it with the megatron option "
                 "dist_ckpt_optim_fully_reshardable: true")
     for c in (saver, resumer):
         bare = _ranks_without_experts(c)

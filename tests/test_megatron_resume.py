@@ -112,7 +112,7 @@ def test_a_resharded_load_giving_an_ep_rank_another_ranks_experts_fails_at_the_l
     v = variants(out / "megatron-resume")
     assert v["resumed-same-layout"]["verdict"] == "pass", v["resumed-same-layout"]["reason"]   # same EP: own experts
     fd = v["resumed-tp2-sp-ep4"]["first_divergence"]
-    assert v["resumed-tp2-sp-ep4"]["verdict"] == "fail" and (fd["step"], fd["kind"]) == (0, "param"), fd
+    assert v["resumed-tp2-sp-ep4"]["verdict"] == "fail" and fd["step"] == 0 and fd["kind"] in ("optimizer_state", "param"), fd
     assert ".mlp.experts." in fd["name"], fd
 
 

@@ -204,14 +204,12 @@ def _check_resume_trainers(path: Path, spec: CaseSpec) -> None:
 
 
 def _check_megatron_resume(path: Path, runs: list) -> None:
-    """A megatron-core run resumes only from a checkpoint megatron can load into it
-    (`megatron_trainer.checkpoint.resume_problem`)."""
+    """A run resumes only from a checkpoint its trainer can load into it (`trainers.resume_problem`)."""
     configs = {r.spec.name: r.config for r in runs}
     for r in runs:
-        if r.spec.resume is None or not trainers.runs_megatron(r.config.trainer):
+        if r.spec.resume is None:
             continue
-        from megatron_trainer.checkpoint import resume_problem
-        problem = resume_problem(configs[r.spec.resume.variant], r.config)
+        problem = trainers.resume_problem(configs[r.spec.resume.variant], r.config)
         if problem:
             raise UsageError(f"{path}: variant {r.spec.name!r} resumes from {r.spec.resume.variant!r}: {problem}")
 

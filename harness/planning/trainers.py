@@ -179,6 +179,15 @@ def _megatron_problem(config: RunConfig) -> Optional[str]:
     return megatron_config_problem(config)
 
 
+def resume_problem(saver: RunConfig, resumer: RunConfig) -> Optional[str]:
+    """Why run `resumer` cannot load the checkpoint run `saver` writes, in one line (None when it can): for
+    megatron-core, `megatron_trainer.checkpoint.resume_problem`; the reference trainer loads any layout's."""
+    if not runs_megatron(resumer.trainer):
+        return None
+    from megatron_trainer.checkpoint import resume_problem as megatron_resume_problem
+    return megatron_resume_problem(saver, resumer)
+
+
 def megatron_config_problem(config: RunConfig) -> Optional[str]:
     """megatron's own ``MLATransformerConfig`` validation of `config`'s model and layout, as one line; None when
     it accepts it, or when `config`'s megatron is not the one imported here (`validate_elsewhere` does those)."""
