@@ -118,7 +118,17 @@ capture-demo: $(STAMP)
 	    $$args --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "$$2" > $(CAPTURE_DIR)/$$1.log 2>&1 \
 	    || { tail -30 $(CAPTURE_DIR)/$$1.log; exit 1; }; \
 	done; \
-	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/layout-b --out reports --name capture-demo $(ARGS)
+	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/layout-b --out reports --name capture-demo $(ARGS); \
+	echo "== resume: layout Ett|mL saves at iteration 2 and exits, a new job loads it under Et|tmL -> $(CAPTURE_DIR)/resumed"; \
+	rm -rf $(CAPTURE_DIR)/resumed $(CAPTURE_DIR)/resumed-ckpt; \
+	for leg in "Ett|mL --save $(CAPTURE_DIR)/resumed-ckpt --save-interval 2 --exit-interval 2" \
+	           "Et|tmL --load $(CAPTURE_DIR)/resumed-ckpt"; do set -- $$leg; layout=$$1; shift; \
+	  PATH="$(abspath $(BIN)):$$PATH" OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+	    -m megatron_trainer.pretrain --bitparity-out $(CAPTURE_DIR)/resumed --bitparity-init 7 $(PRETRAIN_SCRIPT) \
+	    $$args --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "$$layout" "$$@" \
+	    >> $(CAPTURE_DIR)/resumed.log 2>&1 || { tail -30 $(CAPTURE_DIR)/resumed.log; exit 1; }; \
+	done; \
+	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/resumed --out reports --name capture-demo-resume $(ARGS)
 
 verify-golden: $(STAMP)
 	@set -e; for c in $(GOLDEN_CASES); do \

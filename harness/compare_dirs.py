@@ -34,6 +34,7 @@ from .running import outdir
 from .verify import series
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
+_SEGMENT = re.compile(r"^iter\d{7}$")
 
 
 def _header(path: Path) -> dict:
@@ -89,18 +90,54 @@ def _world(label: str, d: Path) -> tuple[int, dict]:
     return world, first
 
 
+def segments(d: Path) -> list[Path]:
+    """The trace directories of one job in `d`, in iteration order: `d` itself when it holds rank traces (the job
+    from scratch), then each ``iter{N:07d}`` subdirectory (the job resumed from a checkpoint of N iterations,
+    `megatron_trainer.pretrain_hooks.segment_dir`); [d] when there is none of either (`_world` says why)."""
+    subs = sorted((p for p in d.iterdir() if _SEGMENT.match(p.name) and p.is_dir()), key=lambda p: p.name) \
+        if d.is_dir() else []
+    own = d.is_dir() and any(_RANK_FILE.match(p.name) for p in d.iterdir())
+    return ([d] if own or not subs else []) + subs
+
+
 def load(label: str, d: Path) -> tuple[Trace, dict]:
-    """The merged trace of directory `d` and rank 0's header.
+    """The merged trace of directory `d` and rank 0's header (of its first segment): a job stopped and resumed
+    (`segments`) is stitched by iteration (`stitch`).
 
     Raises:
         UsageError: one line, naming the directory or file: see the module docstring."""
-    world, header = _world(label, d)
-    try:
-        return merge(d, world), header
-    except TraceError as e:
-        raise UsageError(f"{label} {d}: {e}") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise UsageError(f"{label} {d}: malformed rank trace ({type(e).__name__}: {e})") from None
+    merged = []
+    for seg in segments(d):
+        world, header = _world(label, seg)
+        try:
+            merged.append((merge(seg, world), header))
+        except TraceError as e:
+            raise UsageError(f"{label} {seg}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise UsageError(f"{label} {seg}: malformed rank trace ({type(e).__name__}: {e})") from None
+    return stitch([t for t, _ in merged]), merged[0][1]
+
+
+def stitch(traces: list[Trace]) -> Trace:
+    """One job's trace from its segments in iteration order (a job stopped and resumed, possibly under another
+    layout): every segment's steps by step number, a later segment's replacing an earlier one's of the same
+    number (the job went on from the checkpoint, not from the steps run after it); parameters by global key (a
+    replica only one layout holds is kept); each segment's ``resumed`` records; the first segment's ``init`` and
+    parallel sizes."""
+    if len(traces) == 1:
+        return traces[0]
+    first = traces[0]
+    params = dict(first.params)
+    steps: dict = {}
+    resumed: list = []
+    for t in traces:
+        for k, meta in t.params.items():
+            params.setdefault(k, meta)
+        steps.update({st.step: st for st in t.steps})
+        resumed += t.resumed
+    order = sorted(params, key=lambda k: (params[k]["order"], params[k]["replica"] or ""))
+    return dataclasses.replace(first, params=params, order=order, steps=[steps[k] for k in sorted(steps)],
+                               resumed=resumed)
 
 
 def comparable(a: Trace, b: Trace) -> Optional[str]:
@@ -115,15 +152,26 @@ def comparable(a: Trace, b: Trace) -> Optional[str]:
     shape = next((n for n in ma if ma[n] != mb[n]), None)
     if shape:
         return f"other model: {shape} has shape {list(ma[shape])} in A, {list(mb[shape])} in B"
-    if len(a.steps) != len(b.steps):
-        return f"other step count: A has {len(a.steps)} steps, B {len(b.steps)}"
-    for sa, sb in zip(a.steps, b.steps):
+    na, nb = [st.step for st in a.steps], [st.step for st in b.steps]
+    # a capture of a resumed job alone (its first segment elsewhere) holds the steps after its checkpoint
+    suffix = (b.resumed and nb == na[len(na) - len(nb):]) or (a.resumed and na == nb[len(nb) - len(na):])
+    if na != nb and not suffix:
+        return (f"other steps: A has {len(na)} steps ({_span(na)}), B {len(nb)} ({_span(nb)})")
+    by_step = {st.step: st for st in a.steps}
+    for sb in b.steps:
+        sa = by_step.get(sb.step)
+        if sa is None:
+            continue
         if len(sa.losses) != len(sb.losses):
             return f"other batch: step {sa.step} has {len(sa.losses)} microbatches in A, {len(sb.losses)} in B"
         depths = {len(x["mtp"]) for x in sa.losses} | {len(x["mtp"]) for x in sb.losses}
         if len(depths) > 1:
             return f"other MTP depth: step {sa.step} has MTP losses of depths {sorted(depths)}"
     return None
+
+
+def _span(steps: list) -> str:
+    return "none" if not steps else f"steps {steps[0]}..{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
 
 
 def _layout(header: dict, trace: Trace) -> tuple[str, int, int, bool]:

@@ -98,6 +98,15 @@ def optimizer_view(optimizer, params: list, ranges: dict | None = None) -> tuple
     return masters, {id(gp.param): decay.get(id(masters.get(id(gp.param), gp.param)), False) for gp in params}
 
 
+def _state_by_id(optimizer) -> dict:
+    """{id(tensor stepped): its torch optimizer state} over megatron's (chained) optimizers."""
+    state: dict = {}
+    for opt in _optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        state.update({id(p): st for p, st in getattr(inner, "state", {}).items()})
+    return state
+
+
 def adam_states(optimizer, values: list) -> dict:
     """{"exp_avg" | "exp_avg_sq": [tensor per entry of `values`]}: Adam's moments of each tensor megatron's
     optimizer steps (`values`: the fp32 masters, ranges or parameters, as `master_params` names them), read from
@@ -107,10 +116,7 @@ def adam_states(optimizer, values: list) -> dict:
     Raises:
         KeyError: a tensor of `values` that has moments in none of them after a step (a frozen parameter
             would be absent from `values`)."""
-    state: dict = {}
-    for opt in _optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        state.update({id(p): st for p, st in getattr(inner, "state", {}).items()})
+    state = _state_by_id(optimizer)
     if not state or not all(name in st for st in state.values() for name in OPTIMIZER_STATES):
         return {}
     return {name: [state[id(v)][name] for v in values] for name in OPTIMIZER_STATES}
@@ -153,6 +159,14 @@ class Traced:
     def states(self, optimizer) -> dict:
         """Adam's moments of `values` (`adam_states`): {} before the first step."""
         return adam_states(optimizer, self.values())
+
+    def loaded_states(self, optimizer) -> dict:
+        """Adam's moments of `values` right after a checkpoint load, for the trace's ``resumed`` record: a tensor
+        the optimizer holds no state for (a load that left it out, Megatron-LM's ``--no-load-optim``) has Adam's
+        initial moments, zeros, so that the load is judged, not skipped."""
+        state = _state_by_id(optimizer)
+        return {name: [state.get(id(v), {}).get(name, torch.zeros_like(v)) for v in self.values()]
+                for name in OPTIMIZER_STATES}
 
 
 def _range_shard(gp, r: OwnedRange) -> Shard:

@@ -8,7 +8,8 @@ Every rank writes ``DIR/rank{r}.jsonl`` (TRACE_FORMAT.md; `pretrain_hooks`); com
 ``python pretrain_gpt.py`` would), after:
 
 * on a machine without CUDA: `compat`'s CPU points and `compat_training`'s (megatron's training loop over gloo:
-  ``--distributed-backend gloo`` is added when the arguments name no backend), `compat_distopt`'s with
+  ``--distributed-backend gloo`` is added when the arguments name no backend; ``--no-load-rng`` with ``--load``:
+  the inert CUDA RNG tracker saved an empty state, which Megatron-LM's loader refuses), `compat_distopt`'s with
   ``--use-distributed-optimizer``, torch.compile off (megatron's fused helpers; 7-20 s per rank, same bits);
 * on CUDA: `compat`'s local-spec points (megatron's local layers without Transformer Engine), nothing else;
 * the capture (`pretrain_hooks.install`).
@@ -48,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, as you would pass them")
     return p
+
+
+def _given(script_args: list, flag: str) -> bool:
+    """Whether the training arguments name `flag` (``--flag value`` or ``--flag=value``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in script_args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and not any(a == "--distributed-backend" or a.startswith("--distributed-backend=")
                             for a in script_args):
         script_args += ["--distributed-backend", "gloo"]     # megatron's default, nccl, needs CUDA
+    # on CPU megatron's CUDA RNG tracker is inert (compat), so a checkpoint holds an empty tracker state, which
+    # Megatron-LM's loader refuses ("Unable to load rng state"); no bit depends on it (dropout 0)
+    if not cuda and _given(script_args, "--load") and not _given(script_args, "--no-load-rng"):
+        script_args += ["--no-load-rng"]
     pretrain_hooks.install(out, [str(script), *script_args], args.bitparity_init)
     sys.argv = [str(script), *script_args]
     from trainerkit.capture import CaptureError

@@ -123,7 +123,10 @@ class _Capture:
                                    ps.get_expert_data_parallel_rank(), strict=False,
                                    tp_rank=ps.get_tensor_model_parallel_rank(),
                                    expert_tp_rank=ps.get_expert_tensor_parallel_rank())
-        if self.init_seed is not None:
+        # megatron's completed iterations before this job (> 0: it loaded a checkpoint, --load): this job's first
+        # step is that iteration, and its weights are the checkpoint's, not re-initialised
+        start = int(getattr(args, "iteration", 0) or 0)
+        if self.init_seed is not None and start == 0:
             _reinitialise(params, optimizer, args, self.init_seed)
         self.traced = optimizer_view.traced(optimizer, params)
         self.buffers = expert_biases(chunks)
@@ -133,18 +136,32 @@ class _Capture:
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
         self.clip_grad = args.clip_grad
         rank = dist.get_rank()
-        path = self.out_dir / f"rank{rank}.jsonl"
+        path = segment_dir(self.out_dir, start) / f"rank{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)                 # a trace of an earlier run in the same directory
         header = {**megatron_train.rank_fields(chunks, self.traced, strict=False),
                   **_header(args, params, time.perf_counter() - self.started, self.argv)}
+        header["settings"]["first_iteration"] = start
         self.capture = RankCapture(path, header)
         self.capture.initial(self.traced.values())
+        if start > 0:       # what the job loaded, checked against what the saving job held after that step
+            self.capture.resumed(start - 1, self.traced.values(), self.traced.loaded_states(optimizer),
+                                 self.buffers)
+        self.step = start
         if self.mtp_num_layers:
             megatron_train.record_mtp_losses(self.recorder)
 
     def finish(self) -> None:
         if self.capture is not None:
             self.capture.close()
+
+
+def segment_dir(out_dir: Path, first_iteration: int) -> Path:
+    """Where a job that starts at megatron iteration `first_iteration` writes its rank traces: ``out_dir`` for a
+    job from scratch, ``out_dir/iter{N:07d}`` for one resumed from a checkpoint of N iterations (``--load``), so a
+    stopped and resumed job adds to its trace directory instead of overwriting it; `bitparity compare` stitches
+    the segments by iteration (`harness.compare_dirs`)."""
+    return out_dir if first_iteration == 0 else out_dir / f"iter{first_iteration:07d}"
 
 
 @torch.no_grad()

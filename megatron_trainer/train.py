@@ -300,7 +300,7 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, device: torch.device, sta
     if cfg.resume_from is not None:
         done, consumed = checkpoint.load(r, Path(cfg.resume_from), cfg, device)
         first_step = done + 1
-        capture.resumed(done, tr.values(), tr.states(r.optimizer), buffers)
+        capture.resumed(done, tr.values(), tr.loaded_states(r.optimizer), buffers)
     for step in range(first_step, t.train_iters):
         start = time.perf_counter()
         capture.begin_step(step)

@@ -159,7 +159,7 @@ def _lines(path):
     ("fifo", "rank1.jsonl: not a regular file"),
     ("other command", "rank1.jsonl: another training command line than rank0.jsonl's"),
     ("other model", "other model: embedding.word_embeddings.weight has shape [4, 4] in A, [6, 6] in B"),
-    ("other step count", "other step count: A has 2 steps, B 1"),
+    ("other step count", "other steps: A has 2 steps (steps 0..1), B 1 (step 0)"),
     ("not a trace", "rank0.jsonl: not a bitparity rank trace"),
     ("mixed runs", "header says rank 1 of 3, rank0.jsonl says world size 2"),
     ("empty", "no rank traces"),

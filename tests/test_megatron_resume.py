@@ -44,7 +44,7 @@ def test_the_resume_case_passes_with_its_stated_outcomes(resume):
         assert v[name]["outcome"] == "equal", (name, v[name]["outcome"])
         trace = json.loads((runs / name.replace("/", "_") / "trace.json").read_text())
         assert [s["step"] for s in trace["steps"]] == [1, 2], name
-        loaded = trace["resumed"]
+        [loaded] = trace["resumed"]
         assert loaded["step"] == 0 and len(loaded["params"]) == len(trace["params"]), name
         assert loaded["buffers"] and (name.startswith("reference") or loaded["exp_avg"]), name
     # the layout change that computes differently still loaded every bit; it differs only from its first step

@@ -133,6 +133,34 @@ def test_tensor_and_sequence_parallel_with_the_distributed_optimizer_two_layouts
     assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
 
 
+def test_a_job_stopped_and_resumed_under_another_layout_compares_by_iteration(tmp_path):
+    """Megatron-LM's own --save / --load: the job saves at iteration 2 and exits (--exit-interval), a new job loads
+    it under the other layout and trains iteration 3; its capture goes to ``iter0000002/`` of the same directory,
+    and `bitparity compare` stitches the two by iteration: bitwise with the job that never stopped, the loaded
+    state included.  Resumed with ``--no-load-optim`` (Megatron-LM's flag: Adam's state left behind) it fails at
+    the load, naming the optimizer state, before any parameter moves."""
+    full, stopped, ckpt = tmp_path / "full", tmp_path / "stopped", tmp_path / "ckpt"
+    r = pretrain(full, LAYOUTS["a"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = pretrain(stopped, LAYOUTS["b"], extra=("--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = pretrain(stopped, LAYOUTS["a"], extra=("--load", str(ckpt)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (stopped / "rank0.jsonl").is_file() and (stopped / "iter0000002" / "rank0.jsonl").is_file()
+    r, summary = compare(tmp_path, full, stopped)
+    assert r.returncode == 0, r.stdout + r.stderr
+    trace = json.loads((tmp_path / "rep" / "stopped" / "runs" / "stopped" / "trace.json").read_text())
+    assert [st["step"] for st in trace["steps"]] == [0, 1, 2] and [x["step"] for x in trace["resumed"]] == [1]
+    assert trace["resumed"][0]["exp_avg"] and trace["resumed"][0]["params"]
+    lost = tmp_path / "lost"
+    r = pretrain(lost, LAYOUTS["a"], extra=("--load", str(ckpt), "--no-load-optim"), bitparity=())
+    assert r.returncode == 0, r.stderr[-3000:]
+    r, summary = compare(tmp_path, full, lost)
+    assert r.returncode == 1, r.stdout + r.stderr
+    fd = summary["variants"][1]["first_divergence"]
+    assert (fd["step"], fd["kind"]) == (1, "optimizer_state"), fd
+
+
 @pytest.mark.skipif(not os.environ.get("BITPARITY_MEGATRON_LM"), reason="BITPARITY_MEGATRON_LM names no checkout")
 def test_the_checkouts_own_pretrain_gpt_matches_the_stand_in(tmp_path):
     script = Path(os.environ["BITPARITY_MEGATRON_LM"]) / "pretrain_gpt.py"

@@ -193,15 +193,22 @@ def compare(base: Trace, other: Trace) -> Comparison:
     # align by step number: a resumed run starts after its checkpoint step
     base_by_step = {st.step: st for st in base.steps}
     pairs = [(base_by_step[st.step], st) for st in other.steps if st.step in base_by_step]
-    if other.resumed is not None and other.resumed["step"] in base_by_step:
-        loaded = _loaded_diffs(base_by_step[other.resumed["step"]], other.resumed, keys)
-        diffs += loaded
-        if loaded and first is None:
-            d = loaded[0]
-            first = FirstDivergence(d.step, d.kind, None, d.name,
-                                    f"loaded from the checkpoint: {d.kind} {d.name} differs from what the run that "
-                                    f"saved it held after step {d.step}")
+    # what a resume loaded belongs after its checkpoint's step: judged before the steps that follow it
+    loads = sorted((r["step"], _loaded_diffs(base_by_step[r["step"]], r, keys))
+                   for r in other.resumed if r["step"] in base_by_step)
+
+    def judge_loads(before: float) -> None:
+        nonlocal first
+        while loads and loads[0][0] < before:
+            _, loaded = loads.pop(0)
+            diffs.extend(loaded)
+            if loaded and first is None:
+                d = loaded[0]
+                first = FirstDivergence(d.step, d.kind, None, d.name,
+                                        f"loaded from the checkpoint: {d.kind} {d.name} differs from what the run "
+                                        f"that saved it held after step {d.step}")
     for bs, os_ in pairs:
+        judge_loads(bs.step)
         for mb, name, b, o in _loss_diffs(bs, os_):
             diffs.append(Difference(bs.step, "loss", name, mb))
             if first is None:
@@ -245,6 +252,7 @@ def compare(base: Trace, other: Trace) -> Comparison:
         if buffers and first is None:
             first = FirstDivergence(bs.step, "buffer", None, buffers[0],
                                     f"buffer fingerprint {bs.buffers.get(buffers[0])} vs {os_.buffers.get(buffers[0])}")
+    judge_loads(float("inf"))
     missing_steps = sorted(({st.step for st in other.steps} ^ {st.step for st in base.steps})
                            - set(range(other.steps[0].step if other.steps else 0)))
     if missing_steps:

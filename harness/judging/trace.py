@@ -70,9 +70,9 @@ class Trace:
     expert_model_parallel_size: int = 1              # EP
     data_parallel_size: int = 1                      # DP (megatron-core); world_size = P x max(TP x DP, EP)
     tensor_model_parallel_size: int = 1              # TP (megatron-core)
-    # a run resumed from a checkpoint: what it loaded, before its first step ({step: the checkpoint's step,
-    # params, exp_avg, exp_avg_sq, buffers: key -> fingerprint}); None for a run that started from step 0
-    resumed: Optional[dict] = None
+    # per resume from a checkpoint, in step order: what the run loaded before its next step ({step: the
+    # checkpoint's step, params, exp_avg, exp_avg_sq, buffers: key -> fingerprint}); [] for a run never resumed
+    resumed: list = field(default_factory=list)
 
     @property
     def pipeline_model_parallel_size(self) -> int:
@@ -251,7 +251,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
         _align_actions(st.actions)
     return Trace(format=FORMAT, params=params, order=order, init=init,
                  steps=[steps[k] for k in sorted(steps)], world_size=world_size, expert_model_parallel_size=ep_size,
-                 data_parallel_size=dp_size, tensor_model_parallel_size=tp_size, resumed=resumed or None)
+                 data_parallel_size=dp_size, tensor_model_parallel_size=tp_size, resumed=[resumed] if resumed else [])
 
 
 def _merge_resumed(resumed: dict, rec: dict, partials: dict, rank: int, header: dict, replica: bool) -> None:
