@@ -84,8 +84,14 @@ def series(trace: Optional[Trace], cmp: Optional[Comparison]) -> StepSeries:
     """A run's per-step scalars for the report (`StepSeries`), with the grad norm's ULP distance from `cmp`'s
     reference run."""
     s = StepSeries()
-    s.grad_norm_ulp = list(cmp.grad_norm_ulps) if cmp else []
-    for st in trace.steps if trace else []:
+    steps = trace.steps if trace else []
+    # a run resumed after step k has no steps before k + 1: blanks there keep the index the step number
+    first = steps[0].step if steps else 0
+    s.lm_loss, s.lm_loss_hex, s.mtp_loss = [float("nan")] * first, [""] * first, [[] for _ in range(first)]
+    s.grad_norm, s.grad_norm_hex, s.clip_coeff, s.clipped = ([None] * first for _ in range(4))
+    s.grad_norm_ulp = [None] * first + (list(cmp.grad_norm_ulps) if cmp else [])
+    s.resumed_after = [r["step"] for r in trace.resumed] if trace else []
+    for st in steps:
         s.lm_loss.append(st.lm_loss["value"] if st.lm_loss else float("nan"))
         s.lm_loss_hex.append(st.lm_loss["hex"] if st.lm_loss else "")
         depths = len(st.losses[0]["mtp"]) if st.losses else 0
@@ -266,6 +272,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             expect=run.spec.expect, verdict=verdict, outcome=happened, bitwise_equal=cmp.bitwise_equal if cmp else None,
             first_divergence=cmp.first_divergence if cmp else None, reason=reason, error=error,
             layout_grid=run.layout.pretty(), options=dict(run.spec.options), series=series(trace, cmp),
+            resumed_from=run.spec.resume.variant if run.spec.resume else None,
             family_mismatches=cmp.family_mismatches if cmp else {}, elapsed_s=outcome.elapsed_s,
             run_dir=str(dirs[name]), compare_to=ref_name,
             command=reproduce[name],

@@ -18,9 +18,10 @@ NAMES = [["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.l
          ["decoder.layers.1.mlp.linear_fc1.weight", "decoder.final_layernorm.weight", "output_layer.weight"]]
 
 
-def _write(out, steps=2, bump=None, world=2, hidden=4):
+def _write(out, steps=2, bump=None, world=2, hidden=4, first=0, loaded_bump=None):
     """A two-stage run: rank r holds NAMES[r]; `bump` = (step, name) adds 1 ULP-ish to that parameter's
-    gradient (a planted difference)."""
+    gradient (a planted difference).  `first` > 0: a job resumed after step first - 1 (its ``resumed`` record,
+    then steps first..steps-1); `loaded_bump`: a parameter whose loaded value is 1 ULP off."""
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     tensors = [{n: torch.randn(hidden, hidden) if not n.endswith(("bias", "norm.weight")) else torch.randn(hidden)
@@ -33,6 +34,13 @@ def _write(out, steps=2, bump=None, world=2, hidden=4):
         values = list(tensors[rank].values())
         cap.initial(values)
         for step in range(steps):
+            if step < first:        # trained before the checkpoint: by the job that saved it
+                values = [v - 0.1 * (v * 0.5) for v in values]
+                continue
+            if step == first and first > 0:
+                loaded = [torch.nextafter(v, torch.full_like(v, float("inf"))) if n == loaded_bump else v
+                          for n, v in zip(tensors[rank], values)]
+                cap.resumed(first - 1, loaded, {}, {})
             cap.begin_step(step)
             grads = [v * 0.5 for v in values]
             if bump and bump[0] == step:
@@ -49,6 +57,30 @@ def _write(out, steps=2, bump=None, world=2, hidden=4):
             cap.end_step(0.01)
         cap.close()
     return out
+
+
+def test_a_stopped_and_resumed_job_is_stitched_by_iteration_and_its_load_is_judged(tmp_path, cli):
+    """A job that stopped after step 1 (rank traces in b/) and went on from its checkpoint (b/iter0000002/, as
+    `pretrain_hooks.segment_dir` names it): compared with the job that never stopped, stitched by iteration, and
+    the loaded state judged at the step it was saved after."""
+    full = _write(tmp_path / "full", steps=3)
+    _write(tmp_path / "b", steps=2)
+    _write(tmp_path / "b" / "iter0000002", steps=3, first=2)
+    proc = cli("compare", full, tmp_path / "b", "--out", tmp_path / "rep", "--name", "stitched")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trace = json.loads((tmp_path / "rep" / "stitched" / "runs" / "b" / "trace.json").read_text())
+    assert [st["step"] for st in trace["steps"]] == [0, 1, 2] and [r["step"] for r in trace["resumed"]] == [1]
+    # the resumed segment alone lines up with the full job's last step
+    proc = cli("compare", full, tmp_path / "b" / "iter0000002", "--out", tmp_path / "rep", "--name", "alone")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # a load that got one parameter 1 ULP off fails at the step it was saved after, naming it
+    off = NAMES[1][0]
+    _write(tmp_path / "c", steps=2)
+    _write(tmp_path / "c" / "iter0000002", steps=3, first=2, loaded_bump=off)
+    proc = cli("compare", full, tmp_path / "c", "--out", tmp_path / "rep", "--name", "off")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    fd = json.loads((tmp_path / "rep" / "off" / "summary.json").read_text())["variants"][1]["first_divergence"]
+    assert (fd["step"], fd["kind"], fd["name"]) == (1, "param", off), fd
 
 
 def test_rank_capture_writes_the_trace_format(tmp_path):

@@ -61,6 +61,9 @@ class StepSeries:
     grad_norm_ulp: list[Optional[int]] = field(default_factory=list)   # ULP distance from the reference run's
     clip_coeff: list[Optional[float]] = field(default_factory=list)     # None when clip_grad == 0
     clipped: list[Optional[bool]] = field(default_factory=list)        # whether clipping triggered (coeff < 1)
+    # steps after which the run resumed from a checkpoint (new processes loaded it); a run resumed after step k
+    # has no values before step k + 1: its lists hold NaN / "" / None there, so that the index is still the step
+    resumed_after: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +140,8 @@ class VariantResult:
     bug_elsewhere: list = field(default_factory=list)
     # MTP depth D of the run's model (0: no MTP, the report labels its layout so); None when not known
     mtp_num_layers: Optional[int] = None
+    # the run whose checkpoint this one resumed from (a case's `resume:`); None when it did not resume
+    resumed_from: Optional[str] = None
 
     @property
     def schedule(self) -> str:

@@ -243,4 +243,17 @@ def card(v: VariantResult, i: int, anchors: dict[int, str], result: Any, report_
         "detail_page": detail_page(v), "trace_file": trace_file(v) if timeline_cells(v) else None,
         "measured": bool(measured_events(trace)),
         "overlap": overlap_words(getattr(v, "overlap_coverage", None)),
+        "resumed": resumed_words(v),
     }
+
+
+def resumed_words(v: VariantResult) -> str:
+    """The card's line on a resumed run ('' when it did not resume): after which step, from whose checkpoint,
+    and that what it loaded was compared."""
+    after = v.series.resumed_after if v.series else []
+    if not after:
+        return ""
+    src = f" of {v.resumed_from}" if v.resumed_from else ""
+    steps = ", ".join(map(str, after))
+    return (f"after step {steps}: new processes loaded the checkpoint{src}; what they loaded (every parameter, "
+            "Adam moment and buffer) is compared bit for bit with the state it was saved from")

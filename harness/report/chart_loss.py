@@ -134,6 +134,18 @@ def loss_curves_svg(result: CaseResult, groups: Optional[list[dict]] = None) -> 
                 out.append(f'<circle cx="{num(x_of(s))}" cy="{num(y_of(y))}" r="{num(max(2.2, width / 2 + 0.6))}" '
                            f'fill="{colour}" fill-opacity="{num(alpha)}"><title>{attr(tip)}</title></circle>')
         out.append("</g>")
+    # resume points: a dashed rule between the step a checkpoint was saved after and the first resumed step
+    resumes: dict = {}
+    for g in groups:
+        for v in g["members"]:
+            for k in v.series.resumed_after:
+                resumes.setdefault(k, []).append(clean_text(v.name))
+    for k, who in sorted(resumes.items()):
+        x = x_of(min(k + 0.5, n_steps - 1))
+        out.append(f'<g class="resume-mark"><title>{attr(f"resumed after step {k}: " + ", ".join(who))}</title>'
+                   f'<line x1="{num(x)}" y1="{num(_PLOT_T)}" x2="{num(x)}" y2="{num(base)}" stroke="#9a6700" '
+                   f'stroke-width="1" stroke-dasharray="3 3"/>'
+                   f'<text x="{num(x + 3)}" y="{num(_PLOT_T + 10)}" fill="#9a6700" font-size="10">resumed</text></g>')
     # legend below the axes: never over a curve
     labels = [_short(g["label"]) for g in groups]
     widths = [30 + CHAR_W * len(t) + 18 for t in labels]
