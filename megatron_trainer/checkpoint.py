@@ -25,76 +25,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .checkpoint_rules import sharding_type
+
 #: Megatron-LM's ``_build_sharded_state_dict_metadata`` keys besides the sharding type.
 _METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def resume_problem(saver, resumer) -> str | None:
-    """Why a megatron-core run with config `resumer` cannot load the checkpoint of the run with config `saver`
-    (both `RunConfig`), in one line; None when it can.  Refused while planning, so that no rank starts:
-
-    * one with the distributed optimizer and one without: their optimizer state dicts differ in kind (measured:
-      ``Could not find parameter group with key ...`` on load);
-    * ``dp_reshardable`` (Megatron-LM's default format) under another layout, TP, EP or ETP: its buffers are
-      keyed by the saving layout's bucket structure (Megatron-LM's ``load_checkpoint`` refuses another TP or P;
-      another V fails in megatron's load, measured);
-    * a MoE model at EP = 1 on one side and EP > 1 on the other: megatron builds one optimizer at EP 1 and a
-      chain of two (dense, expert) at EP > 1, and a checkpoint loads into a chain of its own length only
-      (measured, plain and distributed: ``Expected 2 entries in state dict, but got 4``)."""
-    a, b = saver.parallel, resumer.parallel
-    distopt = [c.megatron.get("use_distributed_optimizer", False) for c in (saver, resumer)]
-    if distopt[0] != distopt[1]:
-        return ("a run with the distributed optimizer and one without cannot resume from each other's checkpoint "
-                "(megatron's optimizer state dicts differ in kind); set use_distributed_optimizer alike")
-    grid = lambda p: (p.pipeline_model_parallel_layout, p.pipeline_model_parallel_size,  # noqa: E731
-                      p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tensor_parallel)
-    if distopt[0] and sharding_type(saver) == "dp_reshardable" and grid(a) != grid(b):
-        return ("the distributed optimizer's dp_reshardable checkpoint (Megatron-LM's default) reshards along DP "
-                "only: its buffers are keyed by the saving layout's buckets (measured under another V: 'Global "
-                "shape mismatch'; Megatron-LM refuses another TP or P); save it with the megatron option "
-                "dist_ckpt_optim_fully_reshardable: true")
-    for c in (saver, resumer):
-        bare = _ranks_without_experts(c)
-        if c.megatron.get("use_distributed_optimizer", False) and c.parallel.expert_model_parallel_size > 1 and bare:
-            return (f"layout {c.parallel.pipeline_model_parallel_layout!r}: pipeline rank {bare[0]} holds no MoE "
-                    "layer, and without Apex / TE megatron's distributed optimizer cannot write or read the state "
-                    "of its empty expert optimizer (DistributedOptimizer.state_dict: assert len(steps) == 1, "
-                    "measured); give every pipeline rank a MoE layer")
-    if saver.model.num_moe_experts and (a.expert_model_parallel_size == 1) != (b.expert_model_parallel_size == 1):
-        return (f"expert_model_parallel_size {a.expert_model_parallel_size} -> {b.expert_model_parallel_size}: "
-                "megatron builds one optimizer at EP 1 and two (dense, expert) at EP > 1, and loads a checkpoint "
-                "into a chain of its own length only; resume between EP sizes > 1")
-    return None
-
-
-def _ranks_without_experts(cfg) -> list[int]:
-    """The pipeline ranks of `cfg`'s layout whose stages hold no MoE layer (decoder or MTP; MTP layers are MoE
-    when the model's last decoder layer is); [] for a dense model."""
-    from trainerkit.layout import PipelineLayout
-    m, par = cfg.model, cfg.parallel
-    if not m.num_moe_experts:
-        return []
-    layout = PipelineLayout.from_string(par.pipeline_model_parallel_layout, par.pipeline_model_parallel_size,
-                                        m.num_layers, m.mtp_num_layers)
-    moe = m.moe_layers
-    return [r for r in range(par.pipeline_model_parallel_size)
-            if not any(moe[i] for flat in layout.stages_of_rank(r) for i in layout.decoder_layer_ids(flat))
-            and not (moe[-1] and any(layout.mtp_layer_ids(flat) for flat in layout.stages_of_rank(r)))]
-
-
 class CheckpointError(RuntimeError):
     """A checkpoint megatron cannot load into this run (one line, naming the checkpoint and the reason)."""
-
-
-def sharding_type(cfg) -> str | None:
-    """The distributed optimizer's checkpoint format Megatron-LM uses for `cfg` (`RunConfig`):
-    ``fully_reshardable`` with the megatron option ``dist_ckpt_optim_fully_reshardable``, else
-    ``dp_reshardable``; None without the distributed optimizer (megatron/training/checkpointing.py
-    ``_build_sharded_state_dict_metadata``: the key is set only with it, and its presence makes a chained
-    optimizer prefix its sub-optimizers' keys)."""
-    if not cfg.megatron.get("use_distributed_optimizer", False):
-        return None
-    return "fully_reshardable" if cfg.megatron.get("dist_ckpt_optim_fully_reshardable", False) else "dp_reshardable"
 
 
 def _metadata(kind: str | None) -> dict:

@@ -181,10 +181,10 @@ def _megatron_problem(config: RunConfig) -> Optional[str]:
 
 def resume_problem(saver: RunConfig, resumer: RunConfig) -> Optional[str]:
     """Why run `resumer` cannot load the checkpoint run `saver` writes, in one line (None when it can): for
-    megatron-core, `megatron_trainer.checkpoint.resume_problem`; the reference trainer loads any layout's."""
+    megatron-core, `megatron_trainer.checkpoint_rules.resume_problem`; the reference trainer loads any layout's."""
     if not runs_megatron(resumer.trainer):
         return None
-    from megatron_trainer.checkpoint import resume_problem as megatron_resume_problem
+    from megatron_trainer.checkpoint_rules import resume_problem as megatron_resume_problem
     return megatron_resume_problem(saver, resumer)
 
 
