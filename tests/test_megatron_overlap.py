@@ -81,7 +81,7 @@ def test_too_few_microbatches_leave_a_rank_without_merged_steps_and_say_so(tmp_p
 
 def test_a_dp_rank_training_another_ranks_microbatches_fails_at_the_loss(tmp_path):
     tree = planted_tree(tmp_path / "tree", {"megatron_trainer/train.py": [
-        ("data.microbatch(step, m * dp_size + dp_rank)", "data.microbatch(step, m * dp_size)")]})
+        ("g = first + m * dp_size + dp_rank", "g = first + m * dp_size")]})
     proc = run_planted(tree, "verify", CASE, "--out", tmp_path / "out", "--only", "p4v2-dp2-ep1", timeout=900)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     x = _summary(tmp_path / "out", "megatron-overlap")["p4v2-dp2-ep1"]

@@ -403,8 +403,9 @@ BAD = {
     "overlap": ("overlap_moe_expert_parallel_comm: true",
                 ["megatron-core rejects this run", "overlap_moe_expert_parallel_comm", "expert model parallelism"]),
     "reference-fault": ("inject: grad_bit_flip", ["unknown fault 'grad_bit_flip'", "skip_mtp_embedding_sync"]),
-    # checkpoints are added by the harness after planning: refused while planning all the same
-    "resume": ("resume: {variant: pp2-vpp2-mtp-with-loss, after_step: 0}", ["does not checkpoint or resume"]),
+    # checkpoints are added by the harness after planning: a resume megatron cannot load is refused all the same
+    "resume": ("resume: {variant: pp2-vpp2-mtp-with-loss, after_step: 0}, megatron: {use_distributed_optimizer: true}",
+               ["resumes from 'pp2-vpp2-mtp-with-loss'", "the distributed optimizer and one without"]),
 }
 
 

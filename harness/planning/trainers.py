@@ -185,7 +185,8 @@ def resume_problem(saver: RunConfig, resumer: RunConfig) -> Optional[str]:
     if not runs_megatron(resumer.trainer):
         return None
     from megatron_trainer.checkpoint_rules import resume_problem as megatron_resume_problem
-    return megatron_resume_problem(saver, resumer)
+    problem = megatron_resume_problem(saver, resumer)
+    return f"trainer megatron-core: {problem}" if problem else None
 
 
 def megatron_config_problem(config: RunConfig) -> Optional[str]:
