@@ -4,7 +4,9 @@ runs: the same merge (`harness.judging.trace.merge`), comparison, first divergen
 checks, and the same report (HTML / JSON / JUnit / Markdown) with A as the reference run.
 
 A directory holds ``rank0.jsonl`` .. ``rank{W-1}.jsonl`` (W: the world size rank 0's header states; gathered from
-the nodes into one directory, see README "Capture inside your own training job").  Two directories that cannot
+the nodes into one directory, see README "Capture inside your own training job"); a job stopped and resumed from
+a checkpoint adds ``iter{N:07d}/`` segments, stitched by iteration (`segments`, `stitch`), and a trace that starts
+after a resume lines up with the other by step number.  Two directories that cannot
 be compared are refused before anything is written, one line naming the first reason (`UsageError`): a missing,
 truncated or foreign rank trace, a rank file beyond the world size, another model (parameter names or shapes),
 another number of steps, microbatches or MTP depths.

@@ -3,7 +3,8 @@
     torchrun --nproc_per_node N -m megatron_trainer.pretrain --bitparity-out DIR \\
         /path/to/Megatron-LM/pretrain_gpt.py <the script's own arguments>
 
-Every rank writes ``DIR/rank{r}.jsonl`` (TRACE_FORMAT.md; `pretrain_hooks`); compare two such directories with
+Every rank writes ``DIR/rank{r}.jsonl`` (a job resumed with ``--load`` from N iterations: ``DIR/iter{N:07d}/``;
+TRACE_FORMAT.md; `pretrain_hooks`); compare two such directories with
 ``bitparity compare DIR_A DIR_B``.  The script runs as ``__main__`` with its own directory first on sys.path (as
 ``python pretrain_gpt.py`` would), after:
 

@@ -15,6 +15,9 @@ Nothing of the checkout is edited.  `install` wraps, before the training script 
   and takes megatron's reported ``lm loss`` (train_step's return: summed over microbatches, all-reduced over
   the data-parallel group by megatron) on the last pipeline stage.
 * the rank's trace is closed (`finish`) when the script returns.
+* a job that loaded a checkpoint (``--load``; megatron's ``args.iteration`` N > 0 at the first step) writes to
+  ``DIR/iter{N:07d}/`` (`segment_dir`), numbers its steps from N, is not re-initialised, and first records what
+  it loaded (the trace's ``resumed`` record, `trainerkit.capture.RankCapture.resumed`).
 
 `trainerkit.capture.RankCapture` writes the trace: no collective of bitparity's own, fingerprints on the device.
 Under ``--use-distributed-optimizer`` each DP rank traces its ranges of the gradients, fp32 main copies and Adam
