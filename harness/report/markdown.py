@@ -106,6 +106,10 @@ def markdown_summary(result: CaseResult, report_link: str = "index.html") -> str
         tp = int(getattr(v, "tensor_model_parallel_size", 1) or 1)
         layout = md_cell(v.layout) + (f" (TP {tp}{', SP' if getattr(v, 'sequence_parallel', False) else ''})"
                                       if tp > 1 else "")
+        resumed = v.series.resumed_after if v.series else []
+        if resumed:
+            layout += f" (resumed after step {', '.join(map(str, resumed))}" + \
+                      (f" from {md_cell(v.resumed_from)})" if v.resumed_from else ")")
         lines.append(f"| {name} | {layout} | {int(v.pp)} | {int(v.vpp)} | "
                      f"{md_cell(v.reductions)} | {md_cell(clip_words(v.clip_grad))} | "
                      f"{md_cell(v.expect)} | {_VERDICT_MD.get(v.verdict, md_cell(v.verdict))}"
