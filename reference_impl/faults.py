@@ -7,7 +7,7 @@ one well-defined place by a one-line hook in the trainer; with ``inject=None`` e
 Numerics (the harness must report ``fail`` at the stated first divergence):
 
 * ``reset_optimizer_on_resume``: a resumed run drops the checkpoint's AdamW state (restarts its moments),
-  -> the first resumed step's parameters differ.
+  -> what it loaded differs in ``optimizer_state`` at the checkpoint's step (the trace's ``resumed`` record).
 * ``nondeterministic_grad``: XOR the low mantissa bits of that same gradient element with the rank's process
   id, so two runs of one configuration differ (a run-to-run nondeterminism, for the ``repeat:`` control).
 * ``grad_bit_flip``: flip the lowest mantissa bit of element 0 of the gradient of the last decoder layer's

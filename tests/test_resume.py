@@ -1,6 +1,6 @@
 """Checkpoint save at step k and resume, under the same layout and under another P/V (checkpoints use global
 parameter names): the resumed steps are bitwise equal to the uninterrupted run, optimizer state and expert
-bias included; a resume that drops the optimizer state is caught."""
+bias included; a resume that drops the optimizer state is caught at the load (the checkpoint's step)."""
 import json
 import textwrap
 
