@@ -52,11 +52,19 @@ def compare(tmp_path: Path, a: Path, b: Path, *args) -> tuple[subprocess.Complet
     return r, (json.loads(summary.read_text()) if summary.is_file() else {})
 
 
-def test_two_layouts_bitwise_and_a_planted_mtp_loss_scale_caught(tmp_path):
-    a, b, planted = tmp_path / "layout-a", tmp_path / "layout-b", tmp_path / "planted"
-    for out, layout in ((a, LAYOUTS["a"]), (b, LAYOUTS["b"])):
-        r = pretrain(out, layout)
-        assert r.returncode == 0, r.stderr[-3000:]
+@pytest.fixture(scope="module")
+def layout_a(tmp_path_factory):
+    """The tiny job at layout a, from scratch to the end (read by the layout and the resume tests)."""
+    a = tmp_path_factory.mktemp("capture") / "layout-a"
+    r = pretrain(a, LAYOUTS["a"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return a
+
+
+def test_two_layouts_bitwise_and_a_planted_mtp_loss_scale_caught(tmp_path, layout_a):
+    a, b, planted = layout_a, tmp_path / "layout-b", tmp_path / "planted"
+    r = pretrain(b, LAYOUTS["b"])
+    assert r.returncode == 0, r.stderr[-3000:]
     header = json.loads((a / "rank1.jsonl").read_text().splitlines()[0])
     assert header["settings"]["training_loop"] == "megatron.training.pretrain"
     assert header["settings"]["pipeline_model_parallel_layout"] is not None
@@ -133,15 +141,13 @@ def test_tensor_and_sequence_parallel_with_the_distributed_optimizer_two_layouts
     assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
 
 
-def test_a_job_stopped_and_resumed_under_another_layout_compares_by_iteration(tmp_path):
+def test_a_job_stopped_and_resumed_under_another_layout_compares_by_iteration(tmp_path, layout_a):
     """Megatron-LM's own --save / --load: the job saves at iteration 2 and exits (--exit-interval), a new job loads
     it under the other layout and trains iteration 3; its capture goes to ``iter0000002/`` of the same directory,
     and `bitparity compare` stitches the two by iteration: bitwise with the job that never stopped, the loaded
     state included.  Resumed with ``--no-load-optim`` (Megatron-LM's flag: Adam's state left behind) it fails at
     the load, naming the optimizer state, before any parameter moves."""
-    full, stopped, ckpt = tmp_path / "full", tmp_path / "stopped", tmp_path / "ckpt"
-    r = pretrain(full, LAYOUTS["a"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    full, stopped, ckpt = layout_a, tmp_path / "stopped", tmp_path / "ckpt"
     r = pretrain(stopped, LAYOUTS["b"], extra=("--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"))
     assert r.returncode == 0, r.stderr[-3000:]
     r = pretrain(stopped, LAYOUTS["a"], extra=("--load", str(ckpt)))
