@@ -24,13 +24,10 @@ BUDGET  ?= 10m
 PYTEST_WORKERS ?= 3
 # test-portability sends whole modules to one worker: a module-scoped fixture (a case run once, read by many tests)
 # runs once, not once per worker that draws one of its tests (495 -> 412 s for one setting on 2 cores, AMD EPYC).
-# test and test-megatron hand tests out one by one (whole modules left their last minutes to one worker: make test
-# 777 s against 725 s; test-megatron 940 s against 853 s); test-megatron sends the tests sharing a module-scoped
-# fixture (a megatron case run, 60-90 s) to one worker, so it runs once (tests/conftest.py, xdist_group; --dist
-# loadgroup).  make test does not: its fixtures are cheap and its grouped modules long (392 s against 308 s, measured)
+# test and test-megatron keep xdist's default: whole modules left their last minutes to one worker (make test 777 s
+# against 725 s; test-megatron 940 s against 853 s: test_sources and test_megatron_overlap are ~10 minutes each).
+# (--dist loadgroup does not group under pytest 9 with xdist 3.8: xdist renames item._nodeid, pytest 9 reads _id.)
 PORTABILITY_DIST ?= loadscope
-TEST_DIST ?= load
-MEGATRON_TEST_DIST ?= loadgroup
 
 # Another machine's arithmetic, at home: the expectation-bearing tests and the small cases again under other
 # ATen kernel sets and MKL's reproducible branch, so an expectation that flips with the CPU fails here.  A setting
@@ -158,7 +155,7 @@ lint: $(STAMP)
 
 # the suite without the megatron-core and torchrun-launch tests (~6 min on an idle 2-core AMD EPYC, 2026-12-06; ~12 under load), after the lint ...
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist $(TEST_DIST) -m "not megatron and not torchrun" $(ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not megatron and not torchrun" $(ARGS)
 
 # ... the ranks launched by torchrun instead of the forkserver (~1.5 min) ...
 test-torchrun: $(STAMP)
@@ -167,7 +164,7 @@ test-torchrun: $(STAMP)
 # ... and the megatron-core trainer's (~7 min on 3.11, ~10 on 3.12 on an idle 2-core AMD EPYC, measured 2026-12-06;
 # CI runs all three)
 test-megatron: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist $(MEGATRON_TEST_DIST) -m megatron $(ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m megatron $(ARGS)
 
 # A setting that is this CPU's own arithmetic (ATEN_CPU_CAPABILITY=avx2 on a CPU without AVX-512) ran in `make test`
 # already: skipped, with a line saying so.  Tests marked arithmetic_free (refusals, names, process handling) judge

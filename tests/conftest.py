@@ -28,15 +28,3 @@ def variants(report: Path) -> dict:
 def cli():
     return run_cli
 
-
-def pytest_collection_modifyitems(config, items):
-    """Tests that share a module-scoped fixture (a case run once, read by several tests) go to one xdist worker
-    (``--dist loadgroup``, the Makefile's test targets): under xdist's default each worker that draws one of them
-    runs the fixture again (measured: the proxy case's 74 s twice in one test-megatron run).  Every other test is
-    still handed out one by one."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        shared = any(defs and defs[-1].scope == "module" and name in item.fixturenames
-                     for name, defs in (info.name2fixturedefs.items() if info else ()))
-        if shared:      # one group per module: a test reading two of its fixtures joins the others of both
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
