@@ -27,4 +27,3 @@ def variants(report: Path) -> dict:
 @pytest.fixture
 def cli():
     return run_cli
-
