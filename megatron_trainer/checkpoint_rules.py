@@ -21,6 +21,8 @@ def resume_problem(saver, resumer) -> str | None:
     """Why a megatron-core run with config `resumer` cannot load the checkpoint of the run with config `saver`
     (both `RunConfig`), in one line; None when it can.  Refused while planning, so that no rank starts:
 
+    * another DP: bitparity's ``num_microbatches`` is per DP rank, so another DP is another global batch;
+    * ``dist_ckpt_optim_fully_reshardable`` on a saver without the distributed optimizer (it would do nothing);
     * one with the distributed optimizer and one without: their optimizer state dicts differ in kind (measured:
       ``Could not find parameter group with key ...`` on load);
     * ``dp_reshardable`` (Megatron-LM's default format) under another layout, TP, EP or ETP: its buffers are
@@ -33,7 +35,14 @@ def resume_problem(saver, resumer) -> str | None:
       expert optimizer is empty, and without Apex / TE ``DistributedOptimizer.state_dict`` asserts one common
       Adam step in a state it has none of (measured, save and load)."""
     a, b = saver.parallel, resumer.parallel
+    if a.data_parallel_size != b.data_parallel_size:
+        return (f"data_parallel_size {a.data_parallel_size} -> {b.data_parallel_size}: bitparity's num_microbatches "
+                "is per DP rank, so another DP trains another global batch: the resumed run would continue another "
+                "training than the one saved; resume under the saver's DP")
     distopt = [c.megatron.get("use_distributed_optimizer", False) for c in (saver, resumer)]
+    if saver.megatron.get("dist_ckpt_optim_fully_reshardable", False) and not distopt[0]:
+        return ("dist_ckpt_optim_fully_reshardable is the distributed optimizer's checkpoint format: the saving run "
+                "has no use_distributed_optimizer, so it would save nothing differently")
     if distopt[0] != distopt[1]:
         return ("a run with the distributed optimizer and one without cannot resume from each other's checkpoint "
                 "(megatron's optimizer state dicts differ in kind); set use_distributed_optimizer alike")

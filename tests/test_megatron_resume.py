@@ -130,7 +130,15 @@ def test_a_resharded_load_giving_an_ep_rank_another_ranks_experts_fails_at_the_l
     ("{pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2, data_parallel_size: 2}",
      "{pipeline_model_parallel_layout: 'Ett|ttmL', pipeline_model_parallel_size: 2, trainer: reference}",
      "a run resumes from its own trainer's checkpoint"),
+    ("{pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2, data_parallel_size: 2}",
+     "{pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2}",
+     "data_parallel_size 2 -> 1"),
+    ("{pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2, "
+     "megatron: {dist_ckpt_optim_fully_reshardable: true}}",
+     "{pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2}",
+     "dist_ckpt_optim_fully_reshardable is the distributed optimizer's checkpoint format"),
 ])
+
 def test_a_resume_megatron_cannot_load_is_one_line(tmp_path, saver, resumer, fragment):
     (tmp_path / "bad.yaml").write_text(
         f"extends: {ROOT / 'tests' / 'cases' / 'megatron-small.yaml'}\nname: bad\ntraining: {{train_iters: 3}}\n"
@@ -139,3 +147,14 @@ def test_a_resume_megatron_cannot_load_is_one_line(tmp_path, saver, resumer, fra
     proc = run_cli("verify", tmp_path / "bad.yaml", "--out", tmp_path / "out")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.jsonl"))
+
+
+def test_a_baseline_that_resumes_is_one_line(tmp_path):
+    (tmp_path / "bad.yaml").write_text(
+        f"extends: {ROOT / 'tests' / 'cases' / 'megatron-small.yaml'}\nname: bad\ntraining: {{train_iters: 3}}\n"
+        "baseline: {name: saver, pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2, "
+        "resume: {variant: v, after_step: 0}}\n"
+        "variants:\n  - {name: v, pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2}\n")
+    proc = run_cli("verify", tmp_path / "bad.yaml", "--out", tmp_path / "out")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "give resume: to a variant" in proc.stderr, \
+        proc.stderr

@@ -148,6 +148,9 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     if cycle:
         raise UsageError(f"{path}: compare_to cycle {' -> '.join(map(repr, cycle))}: every chain of compare_to "
                          "must end at the baseline")
+    if spec.baseline.resume is not None:
+        raise UsageError(f"{path}: baseline {spec.baseline.name!r}: resume: the baseline is the reference of the "
+                         "other runs and starts from step 0; give resume: to a variant")
     for v in spec.variants:
         if v.resume is not None:
             src = next((x for x in [spec.baseline] + spec.variants if x.name == v.resume.variant), None)
