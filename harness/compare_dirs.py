@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from trainerkit.capture import SEGMENT_DIR
 from trainerkit.config import DEFAULT_TRAINER
 
 from .errors import UsageError
@@ -36,7 +37,6 @@ from .running import outdir
 from .verify import series
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
-_SEGMENT = re.compile(r"^iter\d{7}$")
 
 
 def _header(path: Path) -> dict:
@@ -95,8 +95,8 @@ def _world(label: str, d: Path) -> tuple[int, dict]:
 def segments(d: Path) -> list[Path]:
     """The trace directories of one job in `d`, in iteration order: `d` itself when it holds rank traces (the job
     from scratch), then each ``iter{N:07d}`` subdirectory (the job resumed from a checkpoint of N iterations,
-    `megatron_trainer.pretrain_hooks.segment_dir`); [d] when there is none of either (`_world` says why)."""
-    subs = sorted((p for p in d.iterdir() if _SEGMENT.match(p.name) and p.is_dir()), key=lambda p: p.name) \
+    `trainerkit.capture.segment_dir`); [d] when there is none of either (`_world` says why)."""
+    subs = sorted((p for p in d.iterdir() if SEGMENT_DIR.match(p.name) and p.is_dir()), key=lambda p: p.name) \
         if d.is_dir() else []
     own = d.is_dir() and any(_RANK_FILE.match(p.name) for p in d.iterdir())
     return ([d] if own or not subs else []) + subs

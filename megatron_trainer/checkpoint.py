@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_rules import sharding_type
+from .optimizer_view import chained
 
 #: Megatron-LM's ``_build_sharded_state_dict_metadata`` keys besides the sharding type.
 _METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -76,7 +77,7 @@ def _fresh_distributed_state(optimizer) -> None:
     which it runs for its fully-sharded format) makes the state; the load then overwrites every value it set:
     the moments, the step, the fp32 main parameters (and, for fp32 models, the parameters they are views of)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in chained(optimizer):
         if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
 
@@ -116,7 +117,7 @@ def _unshare_adam_steps(optimizer) -> None:
     the first is bias-corrected with a wrong step count from the first step after the resume (measured: 129 of
     131 parameters differ after it, moments equal).  Copies with the loaded value restore per-parameter steps."""
     import torch
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in chained(optimizer):
         inner = getattr(opt, "optimizer", None)
         for state in (inner.state.values() if inner is not None else ()):
             if isinstance(state.get("step"), torch.Tensor):

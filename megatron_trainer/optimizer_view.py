@@ -36,7 +36,7 @@ class OwnedRange:
         return whole.view(-1)[self.start:self.end]
 
 
-def _optimizers(optimizer) -> list:
+def chained(optimizer) -> list:
     """The optimizers inside megatron's ``ChainedOptimizer`` (dense and expert parameters), or [optimizer]."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -47,7 +47,7 @@ def owned_ranges(optimizer) -> dict:
     stepping the parameters' elements in its part) gives this rank a non-empty range; {} for megatron's other
     optimizers.  A parameter this rank owns none of is absent: another DP rank steps it."""
     out = {}
-    for opt in _optimizers(optimizer):
+    for opt in chained(optimizer):
         if not hasattr(opt, "_get_model_param_range_map"):
             continue
         group = tuple(torch.distributed.get_process_group_ranks(opt.data_parallel_group))
@@ -64,7 +64,7 @@ def owned_ranges(optimizer) -> dict:
 def is_distributed(optimizer) -> bool:
     """Whether megatron's `optimizer` (or one inside its ``ChainedOptimizer``) is the distributed optimizer: its
     ranks step ranges of the parameters, and a rank may own none of them (`owned_ranges` then empty)."""
-    return any(hasattr(opt, "_get_model_param_range_map") for opt in _optimizers(optimizer))
+    return any(hasattr(opt, "_get_model_param_range_map") for opt in chained(optimizer))
 
 
 def master_params(optimizer, ranges: dict | None = None) -> dict:
@@ -73,7 +73,7 @@ def master_params(optimizer, ranges: dict | None = None) -> dict:
     distributed optimizer's fp32 shard (`owned_ranges`, or `ranges` when the caller has them); empty for the
     plain fp32 optimizer."""
     out = {}
-    for opt in _optimizers(optimizer):
+    for opt in chained(optimizer):
         for model_group, main_group in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
             for p, main in zip(model_group, main_group):
                 out[id(p)] = main
@@ -101,7 +101,7 @@ def optimizer_view(optimizer, params: list, ranges: dict | None = None) -> tuple
 def _state_by_id(optimizer) -> dict:
     """{id(tensor stepped): its torch optimizer state} over megatron's (chained) optimizers."""
     state: dict = {}
-    for opt in _optimizers(optimizer):
+    for opt in chained(optimizer):
         inner = getattr(opt, "optimizer", None)
         state.update({id(p): st for p, st in getattr(inner, "state", {}).items()})
     return state

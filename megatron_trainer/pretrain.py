@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bitparity capture: {'cuda' if cuda else 'cpu'}, compat points {','.join(points)}; traces to {out}",
           file=sys.stderr)
     script_args = list(args.args)
-    if not cuda and not any(a == "--distributed-backend" or a.startswith("--distributed-backend=")
-                            for a in script_args):
+    if not cuda and not _given(script_args, "--distributed-backend"):
         script_args += ["--distributed-backend", "gloo"]     # megatron's default, nccl, needs CUDA
     # on CPU megatron's CUDA RNG tracker is inert (compat), so a checkpoint holds an empty tracker state, which
     # Megatron-LM's loader refuses ("Unable to load rng state"); no bit depends on it (dropout 0)

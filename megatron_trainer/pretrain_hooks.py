@@ -16,8 +16,8 @@ Nothing of the checkout is edited.  `install` wraps, before the training script 
   the data-parallel group by megatron) on the last pipeline stage.
 * the rank's trace is closed (`finish`) when the script returns.
 * a job that loaded a checkpoint (``--load``; megatron's ``args.iteration`` N > 0 at the first step) writes to
-  ``DIR/iter{N:07d}/`` (`segment_dir`), numbers its steps from N, is not re-initialised, and first records what
-  it loaded (the trace's ``resumed`` record, `trainerkit.capture.RankCapture.resumed`).
+  ``DIR/iter{N:07d}/`` (`trainerkit.capture.segment_dir`), numbers its steps from N, is not re-initialised, and
+  first records what it loaded (the trace's ``resumed`` record, `trainerkit.capture.RankCapture.resumed`).
 
 `trainerkit.capture.RankCapture` writes the trace: no collective of bitparity's own, fingerprints on the device.
 Under ``--use-distributed-optimizer`` each DP rank traces its ranges of the gradients, fp32 main copies and Adam
@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from trainerkit.capture import RankCapture, microbatch_losses, scalar
+from trainerkit.capture import RankCapture, microbatch_losses, scalar, segment_dir
 
 from . import optimizer_view
 from . import train as megatron_train
@@ -157,14 +157,6 @@ class _Capture:
     def finish(self) -> None:
         if self.capture is not None:
             self.capture.close()
-
-
-def segment_dir(out_dir: Path, first_iteration: int) -> Path:
-    """Where a job that starts at megatron iteration `first_iteration` writes its rank traces: ``out_dir`` for a
-    job from scratch, ``out_dir/iter{N:07d}`` for one resumed from a checkpoint of N iterations (``--load``), so a
-    stopped and resumed job adds to its trace directory instead of overwriting it; `bitparity compare` stitches
-    the segments by iteration (`harness.compare_dirs`)."""
-    return out_dir if first_iteration == 0 else out_dir / f"iter{first_iteration:07d}"
 
 
 @torch.no_grad()

@@ -189,10 +189,9 @@ def train(cfg: RunConfig, rank: int, trace_path: Path, transport) -> None:
         faults.after_resume(cfg.inject, optimizer)
         # what was loaded, before the first step: the harness compares it with the saving run's state
         moments = state.state_fingerprints(optimizer)
-        writer.write({"type": "resumed", "step": first_step - 1, "grads": {}, "grad_norm": None, "clip_coeff": None,
-                      "clipped": None, "params": state.resolve(state.fingerprints("master")),
+        writer.write({"type": "resumed", "step": first_step - 1, "params": state.resolve(state.fingerprints("master")),
                       **{name: state.resolve(pending) for name, pending in moments.items()},
-                      "buffers": state.buffers(), "time_s": 0.0})
+                      "buffers": state.buffers()})
     clock = CaptureClock()
     for step in range(first_step, t.train_iters):
         start = time.perf_counter()

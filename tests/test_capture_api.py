@@ -61,7 +61,7 @@ def _write(out, steps=2, bump=None, world=2, hidden=4, first=0, loaded_bump=None
 
 def test_a_stopped_and_resumed_job_is_stitched_by_iteration_and_its_load_is_judged(tmp_path, cli):
     """A job that stopped after step 1 (rank traces in b/) and went on from its checkpoint (b/iter0000002/, as
-    `pretrain_hooks.segment_dir` names it): compared with the job that never stopped, stitched by iteration, and
+    `trainerkit.capture.segment_dir` names it): compared with the job that never stopped, stitched by iteration, and
     the loaded state judged at the step it was saved after."""
     full = _write(tmp_path / "full", steps=3)
     _write(tmp_path / "b", steps=2)

@@ -69,7 +69,7 @@ def _import_in(tree) -> subprocess.CompletedProcess:
      "names without an entry ['vllm'], entries without a name []"),
     ({"harness/planning/trainers.py": [('    Trainer("megatron-core", "megatron_trainer.worker", _megatron_problem, '
                                '_megatron_faults, partner="reference",\n'
-                               '            megatron=True, library_preload="megatron_trainer.preload", checkpoints=True),\n', '')]},
+                               '            megatron=True, library_preload="megatron_trainer.preload", resume_problem=_megatron_resume_problem),\n', '')]},
      "names without an entry ['megatron-core'], entries without a name []"),
 ], ids=["name-without-entry", "entry-without-name"])
 def test_planted_drift_between_the_lists_stops_the_import(tmp_path, edits, words):

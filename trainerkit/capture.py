@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import json
 import queue
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -184,6 +185,18 @@ def _timed(method):
             return method(self, *args, **kwargs)
     timed.__name__, timed.__doc__ = method.__name__, method.__doc__
     return timed
+
+
+#: The name of a resumed job's trace directory inside its job's (`segment_dir`): ``iter`` and 7 digits.
+SEGMENT_DIR = re.compile(r"^iter\d{7}$")
+
+
+def segment_dir(out_dir: Path, first_iteration: int) -> Path:
+    """Where a job that starts at iteration `first_iteration` writes its rank traces: ``out_dir`` for a job from
+    scratch, ``out_dir/iter{N:07d}`` for one resumed from a checkpoint of N iterations (Megatron-LM's ``--load``,
+    `megatron_trainer.pretrain_hooks`), so a stopped and resumed job adds to its trace directory instead of
+    overwriting it; `bitparity compare` stitches the segments by iteration (`harness.compare_dirs`)."""
+    return out_dir if first_iteration == 0 else out_dir / f"iter{first_iteration:07d}"
 
 
 class RankCapture:

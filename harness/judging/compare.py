@@ -26,7 +26,7 @@ from trainerkit import names
 from trainerkit.capture import OPTIMIZER_STATES
 
 from .results import FAMILIES, FirstDivergence
-from .trace import Trace
+from .trace import StepTrace, Trace
 from .ulp import ulp_distance
 
 
@@ -271,9 +271,8 @@ def _loaded_diffs(saved, loaded: dict, keys: list) -> list[Difference]:
     (global keys; a moment or buffer one side lacks is not compared).  Moments first: a load that dropped the
     optimizer state is named so, not by the parameters it moves one step later."""
     step = saved.step
-    moments = [loaded.get(n, {}) for n in OPTIMIZER_STATES]
-    states = [k for k in keys if any(k in m and k in getattr(saved, n) and m[k] != getattr(saved, n)[k]
-                                     for n, m in zip(OPTIMIZER_STATES, moments))]
+    as_step = StepTrace(step=step, **{n: loaded.get(n, {}) for n in OPTIMIZER_STATES})
+    states = [k for k in keys if _moments_differing(saved, as_step, k)]
     params = [k for k in keys if k in loaded.get("params", {}) and loaded["params"][k] != saved.params.get(k)]
     buffers = [k for k in sorted(saved.buffers) if k in loaded.get("buffers", {})
                and loaded["buffers"][k] != saved.buffers[k]]

@@ -183,7 +183,7 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     runs = [_plan(path, spec, spec.baseline, True, inject)]
     runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]
     _check_resume_trainers(path, spec)
-    _check_megatron_resume(path, runs)
+    _check_resume_loadable(path, runs)
     _check_cross_implementation(path, spec, runs, names)
     return CasePlan(name=case_name, path=path, spec=spec, runs=runs)
 
@@ -197,7 +197,7 @@ def _check_resume_trainers(path: Path, spec: CaseSpec) -> None:
         if v.resume is None:
             continue
         for who, name in (("variant", v.name), ("resume.variant", v.resume.variant)):
-            if not trainers.entry(trainer[name]).checkpoints:
+            if trainers.entry(trainer[name]).resume_problem is None:
                 raise UsageError(f"{path}: variant {v.name!r}: {who} {name!r} runs on trainer {trainer[name]}, which "
                                  "does not checkpoint or resume")
         if trainer[v.name] != trainer[v.resume.variant]:
@@ -206,7 +206,7 @@ def _check_resume_trainers(path: Path, spec: CaseSpec) -> None:
                              "own trainer's checkpoint")
 
 
-def _check_megatron_resume(path: Path, runs: list) -> None:
+def _check_resume_loadable(path: Path, runs: list) -> None:
     """A run resumes only from a checkpoint its trainer can load into it (`trainers.resume_problem`)."""
     configs = {r.spec.name: r.config for r in runs}
     for r in runs:

@@ -32,8 +32,9 @@ class Trainer:
     admission: why a run config cannot run on it, in one line, or None (`problem`).  faults: the planted faults
     its ranks know (test-only, ``inject``).  partner: the trainer the cross-implementation check compares it
     with (`harness.judging.crossimpl`).  megatron: it imports a megatron-core (per-version expectations
-    ``megatron_versions``, ``layout_rules: megatron``, ``--megatron-base``, megatron's validator).  checkpoints:
-    it writes checkpoints and resumes from them (a case's ``resume:``).  library_preload: a module the forkserver
+    ``megatron_versions``, ``layout_rules: megatron``, ``--megatron-base``, megatron's validator).  resume_problem:
+    None when it writes no checkpoints; else why a run of it (second argument) cannot load the checkpoint of
+    another of its runs (first), in one line, or None (a case's ``resume:``, `resume_problem`).  library_preload: a module the forkserver
     may import so that ranks fork with the trainer's library loaded (`harness.running.runner.preload` says when)."""
 
     name: str
@@ -42,7 +43,7 @@ class Trainer:
     faults: Callable[[], tuple]
     partner: str
     megatron: bool = False
-    checkpoints: bool = False
+    resume_problem: Optional[Callable[[RunConfig, RunConfig], Optional[str]]] = None
     library_preload: Optional[str] = None
 
 
@@ -180,10 +181,19 @@ def _megatron_problem(config: RunConfig) -> Optional[str]:
 
 
 def resume_problem(saver: RunConfig, resumer: RunConfig) -> Optional[str]:
-    """Why run `resumer` cannot load the checkpoint run `saver` writes, in one line (None when it can): for
-    megatron-core, `megatron_trainer.checkpoint_rules.resume_problem`; the reference trainer loads any layout's."""
-    if not runs_megatron(resumer.trainer):
-        return None
+    """Why run `resumer` cannot load the checkpoint run `saver` writes, in one line (None when it can): its
+    trainer's entry decides (`Trainer.resume_problem`; both runs are of one trainer, `cases` checks that first)."""
+    return entry(resumer.trainer).resume_problem(saver, resumer)
+
+
+def _reference_resume_problem(saver: RunConfig, resumer: RunConfig) -> Optional[str]:
+    """None: the reference trainer's checkpoints are keyed by global name and load under any layout
+    (`reference_impl.checkpoint`)."""
+    return None
+
+
+def _megatron_resume_problem(saver: RunConfig, resumer: RunConfig) -> Optional[str]:
+    """`megatron_trainer.checkpoint_rules.resume_problem`, naming the trainer."""
     from megatron_trainer.checkpoint_rules import resume_problem as megatron_resume_problem
     problem = megatron_resume_problem(saver, resumer)
     return f"trainer megatron-core: {problem}" if problem else None
@@ -240,9 +250,9 @@ def _megatron_faults() -> tuple:
 #: Every trainer the harness launches, by name (the keys are `trainerkit.config.TRAINERS`, checked below).
 REGISTRY: dict[str, Trainer] = {t.name: t for t in (
     Trainer("reference", "reference_impl.worker", _reference_problem, _reference_faults, partner="megatron-core",
-            checkpoints=True),
+            resume_problem=_reference_resume_problem),
     Trainer("megatron-core", "megatron_trainer.worker", _megatron_problem, _megatron_faults, partner="reference",
-            megatron=True, library_preload="megatron_trainer.preload", checkpoints=True),
+            megatron=True, library_preload="megatron_trainer.preload", resume_problem=_megatron_resume_problem),
 )}
 # the run description's vocabulary and the registry are one list: a name without an entry would pass a case's
 # validation and crash at launch, an entry without a name could never be chosen
