@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     fz.add_argument("--inject", metavar="FAULT", help=argparse.SUPPRESS)
     lay = sub.add_parser("layout", help="layout tools").add_subparsers(dest="action", required=True,
                                                                           parser_class=_Parser)
-    le = lay.add_parser("explain", help="parse, validate and print a pipeline layout as a rank x stage grid")
+    le = lay.add_parser("explain", help="parse, validate and print a pipeline layout (or a HybridModel "
+                        "hybrid_layer_pattern: '+', '-' or '/' in it) as a rank x stage grid")
     le.add_argument("layout")
     le.add_argument("--pp", type=int, required=True, help="pipeline_model_parallel_size")
     le.add_argument("--num-layers", type=int, help="decoder layers (default: as many 't' as the layout has)")
@@ -111,7 +112,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _layout_explain(args) -> int:
+    from trainerkit.hybrid_pattern import parse_hybrid_pattern, pipeline_layout
     from trainerkit.layout import LayoutError, PipelineLayout, parse_layout
+    if any(c in args.layout for c in "+-/"):       # never in a GPT layout: HybridModel's pattern
+        try:
+            pattern = parse_hybrid_pattern(args.layout)
+            layout = pipeline_layout(pattern, args.pp, len(pattern.moe_layers) if args.num_layers is None
+                                     else args.num_layers,
+                                     pattern.mtp_depths if args.mtp_num_layers is None else args.mtp_num_layers)
+        except LayoutError as e:
+            raise UsageError(str(e)) from None
+        print(f"hybrid_layer_pattern {args.layout} = GPT layout {pattern.layout} (GPT layer i: Hybrid layers 2i, "
+              f"2i+1)\n{pattern.pretty()}\n{layout.pretty()}")
+        return 0
     try:
         stages = parse_layout(args.layout)
         flat = [s for stage in stages for s in stage]
@@ -214,6 +227,8 @@ def _verify(args, argv, started=None) -> int:
     cross_words = f", cross-implementation {cross['verdict']}" if cross else ""
     if result.golden:
         cross_words += f", golden {result.golden['verdict']}"
+    if result.not_run:
+        cross_words += f", {len(result.not_run)} not run on this megatron (as the case states)"
     print(f"{plan.name}: {n_pass}/{len(result.variants)} pass{cross_words} in {result.elapsed_s:.1f} s; "
           f"report: {Path(args.out) / plan.name / 'index.html'}")
     return 0 if result.all_pass else 1

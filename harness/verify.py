@@ -156,6 +156,15 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
                        goldens, jobs or pool.cores(), deadline or Deadline(None))
 
 
+def _layout_words(cfg) -> str:
+    """A run's layout as its model class writes it: the GPT layout, or HybridModel's pattern (its GPT layout
+    in brackets, which the schedule and the trace use)."""
+    par = cfg.parallel
+    if par.hybrid_layer_pattern is None:
+        return par.pipeline_model_parallel_layout
+    return f"hybrid {par.hybrid_layer_pattern} [{par.pipeline_model_parallel_layout}]"
+
+
 def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,  # noqa: C901 (next: run, judge and report phases apart)
             goldens, jobs, deadline) -> CaseResult:
     env = environment()
@@ -177,6 +186,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             ckpt = str(work / dirs[src] / f"checkpoint-step{k}")
             plan_configs[src] = plan_configs[src].model_copy(update={"checkpoint": CheckpointConfig(step=k, dir=ckpt)})
             plan_configs[r.spec.name] = plan_configs[r.spec.name].model_copy(update={"resume_from": ckpt})
+    for r in plan.not_run:
+        progress(f"[-] {r.spec.name}: not run: {r.not_run}")
     runner_preload(r.config for r in plan.runs)
     numbered = {r.spec.name: i for i, r in enumerate(plan.runs, start=1)}
 
@@ -197,7 +208,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
                  f"V={run.layout.virtual_pipeline_model_parallel_size}{f' TP={tp}' if tp > 1 else ''}"
                  f"{' SP' if par.sequence_parallel else ''}{f' DP={dp}' if dp > 1 else ''}"
                  f"{f' EP={ep}' if ep > 1 else ''} "
-                 f"{run.layout.text} ...")
+                 f"{_layout_words(run.config)} ...")
         saver = run.spec.resume.variant if run.spec.resume else None
         if saver is not None and not outcomes[saver].ok:
             outcome = RunOutcome(False, f"not run: the run it resumes from, {saver!r}, did not complete", 0.0)
@@ -261,7 +272,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
             except RuntimeError as e:
                 evidence_error = str(e)
         variants.append(VariantResult(
-            name=name, layout=run.layout.text, pp=run.layout.pipeline_model_parallel_size,
+            name=name, layout=_layout_words(run.config), pp=run.layout.pipeline_model_parallel_size,
             expert_model_parallel_size=run.config.parallel.expert_model_parallel_size,
             data_parallel_size=run.config.parallel.data_parallel_size, overlap_coverage=coverage,
             tensor_model_parallel_size=run.config.parallel.tensor_model_parallel_size,
@@ -294,11 +305,14 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     spec = plan.spec.cross_implementation
     chosen = next((r for r in plan.runs if spec and r.spec.name == (spec.variant or base_name)), None)
     against = next((r.config for r in plan.runs if spec and spec.against and r.spec.name == spec.against), None)
+    skipped = {r.spec.name: r.not_run for r in plan.not_run}
+    why = (lambda n: f"is not run on this megatron: {skipped[n]}" if n in skipped else "is not among the runs (--only)")
     if spec and spec.against and against is None:
         chosen = None
-        progress(f"[cross-implementation] skipped: variant {spec.against!r} (against) is not among the runs (--only)")
+        progress(f"[cross-implementation] skipped: variant {spec.against!r} (against) {why(spec.against)}")
     elif spec and chosen is None:
-        progress(f"[cross-implementation] skipped: variant {spec.variant or base_name!r} is not among the runs (--only)")
+        progress(f"[cross-implementation] skipped: variant {spec.variant or base_name!r} "
+                 f"{why(spec.variant or base_name)}")
     if chosen is not None and deadline.spent():
         cross = judge_cross_implementation(crossimpl.not_run(spec, chosen.config, deadline.not_started().error),
                                            crossimpl.expectation(spec, chosen.config))
@@ -324,7 +338,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
                         elapsed_s=time.monotonic() - start, environment=env, command=command,
                         cross_implementation=cross, golden=golden_record, megatron_sources=plan.megatron_sources,
-                        agreement=agreed)
+                        agreement=agreed, not_run=[{"name": r.spec.name, "reason": r.not_run} for r in plan.not_run])
     write_report(result, work)
     outdir.publish(work, final)
     return result

@@ -21,6 +21,7 @@ def resume_problem(saver, resumer) -> str | None:
     """Why a megatron-core run with config `resumer` cannot load the checkpoint of the run with config `saver`
     (both `RunConfig`), in one line; None when it can.  Refused while planning, so that no rank starts:
 
+    * another model class (GPTModel / HybridModel): their checkpoints key the layers differently;
     * another DP: bitparity's ``num_microbatches`` is per DP rank, so another DP is another global batch;
     * ``dist_ckpt_optim_fully_reshardable`` on a saver without the distributed optimizer (it would do nothing);
     * one with the distributed optimizer and one without: their optimizer state dicts differ in kind (measured:
@@ -35,6 +36,9 @@ def resume_problem(saver, resumer) -> str | None:
       expert optimizer is empty, and without Apex / TE ``DistributedOptimizer.state_dict`` asserts one common
       Adam step in a state it has none of (measured, save and load)."""
     a, b = saver.parallel, resumer.parallel
+    if saver.model_class != resumer.model_class:
+        return (f"a {saver.model_class} checkpoint into a {resumer.model_class} run: GPTModel and HybridModel key "
+                "their layers differently (Hybrid layer j is GPT layer j // 2); resume within one model class")
     if a.data_parallel_size != b.data_parallel_size:
         return (f"data_parallel_size {a.data_parallel_size} -> {b.data_parallel_size}: bitparity's num_microbatches "
                 "is per DP rank, so another DP trains another global batch: the resumed run would continue another "

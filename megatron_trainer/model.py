@@ -23,7 +23,7 @@ from trainerkit import names
 from trainerkit.config import RunConfig
 from trainerkit.fingerprint_shard import Shard
 
-from . import faults, options
+from . import faults, hybrid, options
 
 
 def transformer_config(cfg: RunConfig):
@@ -81,6 +81,8 @@ def transformer_config(cfg: RunConfig):
     )
     # the case's own megatron options (`options`) over bitparity's: Megatron-LM's arguments reach the config by
     # field name
+    if cfg.model_class == "hybrid":
+        kwargs.update(hybrid.config_fields(cfg))
     mine = options.for_config(cfg, "MLATransformerConfig")
     if "batch_p2p_comm" in mine and "overlap_p2p_comm" not in mine:     # Megatron-LM: batch = not overlap
         mine["overlap_p2p_comm"] = not mine["batch_p2p_comm"] and virtual is not None
@@ -117,7 +119,10 @@ def embedding_ranks(config):
 
 def build_chunks(cfg: RunConfig, config) -> list:
     """GPTModel chunks of this pipeline rank, one per virtual stage in virtual-stage order (fp32 or bf16 on
-    the current device; parameters not yet re-initialised)."""
+    the current device; parameters not yet re-initialised); HybridModel's for ``model_class: hybrid``
+    (`hybrid.build_chunks`)."""
+    if cfg.model_class == "hybrid":
+        return hybrid.build_chunks(cfg, config)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -216,9 +221,13 @@ def _tp_rank(module) -> int:
 
 
 def _layer_ids(model) -> dict[str, int]:
-    """{local decoder layer index (as in megatron's parameter names): global layer id} of one chunk."""
-    return {str(i): layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)} \
-        if hasattr(model, "decoder") else {}
+    """{local decoder layer index (as in megatron's parameter names): global layer id} of one chunk (GPT's
+    numbering for a HybridModel chunk: `hybrid.layer_ids`)."""
+    if not hasattr(model, "decoder"):
+        return {}
+    if hybrid.is_hybrid(model):
+        return hybrid.layer_ids(model)
+    return {str(i): layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
 
 
 #: The MTP layer's inner transformer layer: ``transformer_layer`` up to megatron-core 0.16, ``mtp_model_layer`` from
@@ -227,9 +236,15 @@ def _layer_ids(model) -> dict[str, int]:
 _MTP_INNER = re.compile(r"^(mtp\.layers\.\d+)\.mtp_model_layer\.")
 
 
-def _global_name(local: str, layers: dict[str, int], experts_per_rank: int, ep_rank: int) -> str:
+def _global_name(local: str, layers: dict[str, int], experts_per_rank: int, ep_rank: int,
+                 is_hybrid: bool = False) -> str:
     m = _DECODER.match(local)
-    name = f"decoder.layers.{layers[m.group(1)]}.{m.group(2)}" if m else _MTP_INNER.sub(r"\1.transformer_layer.", local)
+    if is_hybrid:
+        name = hybrid.global_name(local, layers)
+    elif m:
+        name = f"decoder.layers.{layers[m.group(1)]}.{m.group(2)}"
+    else:
+        name = _MTP_INNER.sub(r"\1.transformer_layer.", local)
     return _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.{ep_rank * experts_per_rank + int(e.group(1))}.", name)
 
 
@@ -259,7 +274,7 @@ def global_parameters(chunks: list, experts_per_rank: int, ep_rank: int, dp_rank
         layers = _layer_ids(model)
         shards = tp_shards(model, bool(getattr(model.config, "gated_linear_unit", False)))
         for local, p in model.named_parameters():
-            name = _global_name(local, layers, experts_per_rank, ep_rank)
+            name = _global_name(local, layers, experts_per_rank, ep_rank, hybrid.is_hybrid(model))
             replica = "mtp" if name == names.EMBEDDING and not model.pre_process else None
             names.family(name, strict=strict)     # strict: raises ValueError for a name the harness cannot place
             expert = names.expert_id(name) is not None
@@ -280,5 +295,5 @@ def expert_biases(chunks: list) -> dict[str, torch.Tensor]:
         layers = _layer_ids(model)
         for local, buf in model.named_buffers():
             if local.endswith("router.expert_bias"):
-                out[_global_name(local, layers, 0, 0)] = buf
+                out[_global_name(local, layers, 0, 0, hybrid.is_hybrid(model))] = buf
     return dict(sorted(out.items(), key=lambda kv: names.order_key(kv[0][:-len("expert_bias")] + "weight")))

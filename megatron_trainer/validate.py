@@ -27,6 +27,11 @@ def config_problem(config: RunConfig) -> Optional[str]:
     (None when megatron accepts it).  Imports the megatron this process imports."""
     from .model import transformer_config
 
+    if config.model_class == "hybrid":
+        from . import hybrid
+        problem = hybrid.problem(config)
+        if problem:
+            return problem
     if config.megatron:
         return options.problem(config, transformer_config)
 

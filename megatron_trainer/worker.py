@@ -64,8 +64,9 @@ def rank_main(rank: int, world_size: int, cfg_json: str, run_dir: str, store_pat
         device, backend = torch.device("cpu"), "gloo"
     points = compat.apply(device.type)
     par = cfg.parallel
-    from . import compat_tp
+    from . import compat_hybrid, compat_tp
     points += compat_tp.apply() if compat_tp.needed(par.sequence_parallel) else ()
+    points += compat_hybrid.apply() if compat_hybrid.needed(cfg.model_class) else ()
     if device.type == "cpu":
         from . import compat_distopt, compat_overlap
         points += (compat_overlap.apply() if compat_overlap.needed(par) else ()) + (

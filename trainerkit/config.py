@@ -41,6 +41,9 @@ MAX_GPUS = 1024
 TrainerName = Literal["reference", "megatron-core"]
 TRAINERS: tuple = get_args(TrainerName)
 DEFAULT_TRAINER = "reference"
+#: Which megatron-core model class a megatron-core run builds: GPTModel (its layout string) or HybridModel (its
+#: ``hybrid_layer_pattern``, megatron-core >= 0.17; `trainerkit.hybrid_pattern`)
+ModelClass = Literal["gpt", "hybrid"]
 
 
 def parse_moe_layer_freq(value: Union[int, str, list[int]], num_layers: int) -> list[int]:
@@ -237,6 +240,9 @@ class ParallelConfig(_Strict):
 
     pipeline_model_parallel_layout: str
     pipeline_model_parallel_size: int = Field(ge=1, le=1024)
+    # HybridModel's layout (model_class: hybrid): pipeline_model_parallel_layout is then the GPT layout of the
+    # same placement (`trainerkit.hybrid_pattern.HybridPattern.layout`), which the schedule and the trace use
+    hybrid_layer_pattern: Optional[str] = Field(None, max_length=100_000)
     # EP: routed experts split over this many ranks per pipeline rank (world = P x EP); tokens go to their
     # experts with all-to-all.  Unlike Megatron, the EP ranks of a pipeline rank see the same microbatches
     # (no data parallelism), so EP=1 and EP>1 must agree bit for bit.
@@ -323,6 +329,9 @@ class RunConfig(_Strict):
     # which trainer runs it: ours (reference_impl) or megatron-core's own model, schedules and optimizer
     # (megatron_trainer); both write the same trace (TRACE_FORMAT.md)
     trainer: TrainerName = DEFAULT_TRAINER
+    # megatron-core's model class (megatron-core trainer): GPTModel, or HybridModel built from
+    # parallel.hybrid_layer_pattern (megatron_trainer.hybrid)
+    model_class: ModelClass = "gpt"
     inject: Optional[str] = None             # test-only planted fault (reference_impl.faults, megatron_trainer.faults)
     # megatron-core: the directory holding the ``megatron/`` package this run imports (a Megatron-LM checkout, or
     # the site-packages of an installed release): put first on the rank's sys.path before megatron is imported.
@@ -354,6 +363,7 @@ class RunConfig(_Strict):
         parallel_rules.check_expert_parallel(self.model, self.training, self.parallel)
         parallel_rules.check_tensor_parallel(self.model, self.training, self.parallel)
         parallel_rules.check_data_parallel_microbatches(self.training, self.parallel)
+        hybrid_problem(self)
         bad = next((k for k in self.megatron if not re.fullmatch(r"[a-z_][a-z0-9_]{0,99}", k)), None)
         if bad is not None:
             raise ValueError(f"megatron option {bad!r}: Megatron-LM's argument names are lower_case_with_underscores")
@@ -362,6 +372,32 @@ class RunConfig(_Strict):
     def megatron_option(self, name: str, default=None):
         """The case's value of megatron option `name`, or `default` when the case leaves it out."""
         return self.megatron.get(name, default)
+
+
+def hybrid_problem(config: "RunConfig") -> None:
+    """A HybridModel run's pattern against its model, class and trainer (`trainerkit.hybrid_pattern`).
+
+    Raises:
+        ValueError: one line naming what disagrees (the pattern's own syntax errors carry their position)."""
+    from .hybrid_pattern import check_against_model, parse_hybrid_pattern
+
+    pattern_text = config.parallel.hybrid_layer_pattern
+    if config.model_class != "hybrid":
+        if pattern_text is not None:
+            raise ValueError("hybrid_layer_pattern is HybridModel's layout: it needs model_class: hybrid")
+        return
+    if pattern_text is None:
+        raise ValueError("model_class: hybrid needs hybrid_layer_pattern (HybridModel's layout)")
+    if config.trainer != "megatron-core":
+        raise ValueError("model_class: hybrid is megatron-core's HybridModel (trainer: megatron-core)")
+    pattern = parse_hybrid_pattern(pattern_text)
+    problem = check_against_model(pattern, config.model.moe_layers, config.model.mtp_num_layers)
+    if problem:
+        raise ValueError(f"hybrid_layer_pattern {pattern_text!r}: {problem}")
+    if pattern.layout != config.parallel.pipeline_model_parallel_layout:
+        raise ValueError(f"hybrid_layer_pattern {pattern_text!r} places layers as "
+                         f"{pattern.layout!r}, not as pipeline_model_parallel_layout "
+                         f"{config.parallel.pipeline_model_parallel_layout!r}")
 
 
 def overlap_problem(model: ModelConfig, overlap: bool, delay_wgrad: bool) -> Optional[str]:

@@ -167,6 +167,15 @@ def other_trainer(trainer: str) -> str:
     return trainers.entry(trainer).partner
 
 
+def on_other_trainer(cfg: RunConfig) -> RunConfig:
+    """`cfg` run by the other trainer (`other_trainer`), without a planted fault: a HybridModel run becomes the
+    GPT run of the same placement (``parallel.pipeline_model_parallel_layout`` is already its layout), the only
+    model class the reference trainer has."""
+    parallel = cfg.parallel.model_copy(update={"hybrid_layer_pattern": None})
+    return cfg.model_copy(update={"trainer": other_trainer(cfg.trainer), "inject": None, "model_class": "gpt",
+                                  "parallel": parallel})
+
+
 def scaled_ulp(a, b) -> float:
     """``max |a - b| / ulp(max |a|)`` of two same-shape float tensors: their largest difference in units of the
     last place of `a`'s largest-magnitude element (0 when equal; inf when only one is finite).
@@ -311,7 +320,7 @@ def run(spec: CrossImplementationSpec, cfg: RunConfig, work: Path, timeout: floa
     cfg = cfg.model_copy(update={"params_dtype": spec.params_dtype})
     base = _base(spec, cfg, against)
     first, second = base["trainers"]
-    other = cfg.model_copy(update={"trainer": second, "inject": None}) if against is None else \
+    other = on_other_trainer(cfg) if against is None else \
         against.model_copy(update={"params_dtype": spec.params_dtype})
     try:
         progress(f"[cross-implementation] {first} vs {second} at step {spec.step} ({spec.params_dtype}) ...")

@@ -177,6 +177,9 @@ class CaseResult:
     # "warning": str | None, "groups": [{"runs", "size", "has_baseline", "classes"}], "classes": [{"runs",
     # "size", "has_baseline", "group"}]}], "errored": [str]}; {} when not computed
     agreement: dict = field(default_factory=dict)
+    # runs of the case not made on this megatron, as the case states (a megatron_versions entry's not_run):
+    # [{"name", "reason"}]
+    not_run: list = field(default_factory=list)
 
     @property
     def all_pass(self) -> bool:

@@ -50,12 +50,17 @@ starts from another case and deep-merges this file's mappings over it)::
                                      # reference); harness.planning.trainers says what megatron-core can run
         megatron: {batch_p2p_comm: true}   # megatron's own options (megatron_trainer.options), over the case's
                                      # top-level `megatron:` mapping
+        model_class: hybrid          # megatron-core's HybridModel (>= 0.17; default: the case's model_class, itself
+        hybrid_layer_pattern: "+-+E|+E+E/+E"   # default gpt): its layout instead of pipeline_model_parallel_layout
+                                     # (trainerkit.hybrid_pattern: DeepSeek-V3 blocks '+-' / '+E', '|' segments,
+                                     # '/' MTP depths); GPT layer i is Hybrid layers 2i and 2i + 1
         layout_rules: megatron       # only megatron's layout rules (run a layout megatron accepts and trains wrong)
         bug: "Megatron-LM d7500d4d2a"  # the upstream bug this run states (the report shows it with what moved)
         megatron_versions:           # what holds on other megatron-core versions (first match): expect,
           - {versions: "<0.17", expect: not_finite, first_divergence: {step: 1, kind: loss, name: mtp_1}}
                                      # first_divergence, signature, replica_drift, bug; expect: not_finite = the run must stop
-                                     # being finite there (a bug caught)
+                                     # being finite there (a bug caught); {versions: "<0.17", not_run: "why"}:
+                                     # the run is not made there (listed as such; what compares with it neither)
 
 `harness.planning.cases` plans what passes the schema: layouts, schedules, sizes, trainers, megatron's own validators.
 """
@@ -63,9 +68,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainerkit.config import DEFAULT_TRAINER, MAX_GPUS, MAX_TIMEOUT_S, ModelConfig, TrainerName, TrainingConfig
+from trainerkit.config import (DEFAULT_TRAINER, MAX_GPUS, MAX_TIMEOUT_S, ModelClass, ModelConfig, TrainerName,
+                              TrainingConfig)
 
 from ..judging.crossimpl import CrossImplementationSpec
 from ..judging.results import DivergenceKind, Expect
@@ -123,22 +129,38 @@ class VersionExpectation(_Strict):
     run's expect / first_divergence / signature / bug there, so one case states an upstream bug and its fix."""
 
     versions: str = Field(min_length=1, max_length=200)
-    expect: Expect
+    expect: Optional[Expect] = None     # required unless not_run
+    # the run is not made on these versions, and why in one line (a model class they do not have): the report
+    # lists it as not run there, as the case states; nothing else may be said with it
+    not_run: Optional[str] = Field(None, min_length=1, max_length=300)
     first_divergence: Optional[list[ExpectedDivergence]] = None
     signature: Optional[list[SignaturePlace]] = None
     replica_drift: Optional[list[ReplicaDrift]] = None
     bug: Optional[str] = Field(None, max_length=300)
-    _printable = field_validator("versions", "bug")(bounds.printable)
+    _printable = field_validator("versions", "bug", "not_run")(bounds.printable)
 
     _specifiers = field_validator("versions")(check_specifiers)
     _lists = field_validator("first_divergence", "replica_drift", mode="before")(_one_or_more)
+
+    @model_validator(mode="after")
+    def _expect_or_not_run(self):
+        said = [k for k in ("first_divergence", "signature", "replica_drift", "bug") if getattr(self, k) is not None]
+        if self.not_run is not None and (self.expect is not None or said):
+            first = "expect" if self.expect is not None else said[0]
+            raise ValueError(f"not_run: the run is not made on {self.versions}, so {first} says nothing there")
+        if self.not_run is None and self.expect is None:
+            raise ValueError("expect: required (or not_run: why the run is not made on these versions)")
+        return self
 
 
 class VariantSpec(_Strict):
     """One run of the case: a layout and P, overrides of `training`, and what its comparison must show."""
 
     name: str = Field(min_length=1, max_length=100)
-    pipeline_model_parallel_layout: str
+    # the GPT layout; a HybridModel variant (model_class: hybrid) gives hybrid_layer_pattern instead
+    pipeline_model_parallel_layout: Optional[str] = None
+    hybrid_layer_pattern: Optional[str] = Field(None, max_length=100_000)
+    model_class: Optional[ModelClass] = None     # default: the case's
     pipeline_model_parallel_size: int = Field(ge=1, le=1024)
     expert_model_parallel_size: int = Field(1, ge=1, le=64)
     data_parallel_size: int = Field(1, ge=1, le=64)     # megatron-core only: world P x DP, EP divides DP
@@ -187,6 +209,7 @@ class CaseSpec(_Strict):
     num_gpus: Optional[int] = Field(None, ge=1, le=MAX_GPUS)         # cuda: GPUs to spread ranks over
     capture: Literal["full", "activations"] = "full"                 # activations: in-step fingerprints too
     trainer: TrainerName = DEFAULT_TRAINER     # harness.planning.trainers; a variant may override
+    model_class: ModelClass = "gpt"            # megatron-core's GPTModel or HybridModel; a variant may override
     # megatron's own options by Megatron-LM's names (megatron_trainer.options); a variant's `megatron:` adds to it
     megatron: dict = Field(default_factory=dict)
     model: ModelConfig

@@ -26,12 +26,13 @@ from trainerkit.config import (
     ranks_per_stage,
 )
 from trainerkit.data import DataError, TokenDataset
+from trainerkit.hybrid_pattern import parse_hybrid_pattern, pipeline_layout
 from trainerkit.layout import LayoutError, PipelineLayout
 from trainerkit.parallel_rules import check_data_parallel_microbatches, check_expert_parallel, check_tensor_parallel
 from trainerkit.schedule import ScheduleError, build_schedule, simulate
 
 from ..errors import UsageError
-from ..judging.crossimpl import other_trainer
+from ..judging.crossimpl import on_other_trainer
 from . import bounds, expectations, trainers
 from .case_schema import CaseSpec, VariantSpec
 
@@ -65,6 +66,8 @@ class PlannedRun:
     twin_of: Optional[str] = None   # the run of the case file this one repeats on another megatron (harness.planning.sources)
     # the variant as the case file writes it, before its megatron_versions entry for the run's megatron was applied
     declared: Optional[VariantSpec] = None
+    # why the run is not made on this megatron (its megatron_versions entry's not_run), or None
+    not_run: Optional[str] = None
 
 
 @dataclass
@@ -75,6 +78,7 @@ class CasePlan:
     path: Path
     spec: CaseSpec
     runs: list[PlannedRun]      # baseline first
+    not_run: list[PlannedRun] = field(default_factory=list)    # not made on this megatron, as the case states
     # two megatron sources compared (harness.planning.sources): {"base": {...}, "head": {...}} and the flags that say so,
     # which every reproduce command repeats
     megatron_sources: Optional[dict] = None
@@ -182,10 +186,11 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
         only = keep
     runs = [_plan(path, spec, spec.baseline, True, inject)]
     runs += [_plan(path, spec, v, False, inject) for v in spec.variants if not only or v.name in only]
+    runs, not_run = expectations.split_not_run(path, runs)
     _check_resume_trainers(path, spec)
     _check_resume_loadable(path, runs)
     _check_cross_implementation(path, spec, runs, names)
-    return CasePlan(name=case_name, path=path, spec=spec, runs=runs)
+    return CasePlan(name=case_name, path=path, spec=spec, runs=runs, not_run=not_run)
 
 
 def _check_resume_trainers(path: Path, spec: CaseSpec) -> None:
@@ -252,7 +257,7 @@ def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: l
     if x.against is not None:
         _check_against(where, x.against, name, runs, names, mine)
         return
-    other = mine.model_copy(update={"trainer": other_trainer(run.config.trainer), "inject": None})
+    other = on_other_trainer(mine)
     problem = trainers.problem(mine) or trainers.problem(other)
     if problem:
         raise UsageError(f"{where}: variant {name!r} cannot run on the other trainer: {problem}")
@@ -333,6 +338,29 @@ def _check_data(path: Path, spec: CaseSpec) -> None:
         raise UsageError(f"{path}: training.data.path {data.path}: {bounds.os_reason(e)}") from None
 
 
+def _layout_text(where: str, v: VariantSpec, model_class: str) -> str:
+    """The variant's GPT layout: its ``pipeline_model_parallel_layout``, or for a HybridModel the layout of its
+    ``hybrid_layer_pattern``'s placement (`trainerkit.hybrid_pattern`).
+
+    Raises:
+        UsageError: the field of the other model class given, or neither, or a malformed pattern."""
+    if model_class == "hybrid":
+        if v.pipeline_model_parallel_layout is not None:
+            raise UsageError(f"{where}: a HybridModel variant (model_class: hybrid) places its layers with "
+                             "hybrid_layer_pattern, not pipeline_model_parallel_layout")
+        if v.hybrid_layer_pattern is None:
+            raise UsageError(f"{where}: model_class: hybrid needs hybrid_layer_pattern (HybridModel's layout)")
+        try:
+            return parse_hybrid_pattern(v.hybrid_layer_pattern).layout
+        except LayoutError as e:
+            raise UsageError(f"{where}: {e}") from None
+    if v.hybrid_layer_pattern is not None:
+        raise UsageError(f"{where}: hybrid_layer_pattern is HybridModel's layout: it needs model_class: hybrid")
+    if v.pipeline_model_parallel_layout is None:
+        raise UsageError(f"{where}: pipeline_model_parallel_layout is missing")
+    return v.pipeline_model_parallel_layout
+
+
 def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject: Optional[str]) -> PlannedRun:
     where = f"{path}: {'baseline' if is_baseline else 'variant'} {v.name!r}"
     try:
@@ -344,8 +372,9 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     for i, e in enumerate(v.megatron_versions):
         if is_baseline:
             raise UsageError(f"{where}: the baseline cannot carry an expectation (megatron_versions)")
-        expectations.check(f"{where}: megatron_versions[{i}] ({e.versions})", e.expect, e.first_divergence, False,
-                           spec.model, training, e.signature, e.replica_drift)
+        if e.not_run is None:
+            expectations.check(f"{where}: megatron_versions[{i}] ({e.versions})", e.expect, e.first_divergence, False,
+                               spec.model, training, e.signature, e.replica_drift)
     training = training.model_copy(update={"data": _beside(path, training.data)})
     if training.data != spec.training.data:
         try:
@@ -354,13 +383,16 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
             raise UsageError(f"{where}: options.{e}") from None
         except OSError as e:
             raise UsageError(f"{where}: options.data.path {training.data.path}: {bounds.os_reason(e)}") from None
+    model_class = v.model_class or spec.model_class
+    layout_text = _layout_text(where, v, model_class)
     P, EP = v.pipeline_model_parallel_size, ranks_per_stage(v.tensor_model_parallel_size, v.data_parallel_size,
                                                             v.expert_model_parallel_size)
     bounds.check_run_size(where, P, EP)
     try:
-        layout = PipelineLayout.from_string(v.pipeline_model_parallel_layout, P,
-                                            spec.model.num_layers, spec.model.mtp_num_layers,
-                                            megatron_rules_only=v.layout_rules == "megatron")
+        layout = pipeline_layout(parse_hybrid_pattern(v.hybrid_layer_pattern), P, spec.model.num_layers,
+                                 spec.model.mtp_num_layers) if model_class == "hybrid" else \
+            PipelineLayout.from_string(layout_text, P, spec.model.num_layers, spec.model.mtp_num_layers,
+                                       megatron_rules_only=v.layout_rules == "megatron")
         # before the schedule is built: its size is P x V x M actions (P=1024 x 4096 was a MemoryError)
         bounds.check_run_size(where, P, EP, layout.virtual_pipeline_model_parallel_size, training.num_microbatches)
         simulate(build_schedule(layout, training.num_microbatches, training.seq_length,
@@ -371,7 +403,7 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
     problem = overlap_problem(spec.model, v.overlap_moe_expert_parallel_comm, v.delay_wgrad_compute)
     if problem:
         raise UsageError(f"{where}: {problem}")
-    parallel = ParallelConfig(pipeline_model_parallel_layout=v.pipeline_model_parallel_layout,
+    parallel = ParallelConfig(pipeline_model_parallel_layout=layout_text, hybrid_layer_pattern=v.hybrid_layer_pattern,
                               pipeline_model_parallel_size=v.pipeline_model_parallel_size,
                               expert_model_parallel_size=v.expert_model_parallel_size,
                               data_parallel_size=v.data_parallel_size,
@@ -398,6 +430,7 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         config = RunConfig(model=spec.model, training=training, inject=fault, device=spec.device,
                            params_dtype=spec.params_dtype or ("bfloat16" if spec.device == "cuda" else "float32"),
                            num_gpus=spec.num_gpus, capture=spec.capture, parallel=parallel, trainer=trainer,
+                           model_class=model_class,
                            megatron={**spec.megatron, **v.megatron})
     except ValidationError as e:
         raise UsageError(f"{where}: {_loc(e)}") from None
@@ -406,9 +439,12 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
                                                                       v.layout_rules == "megatron")):
             if bad:
                 raise UsageError(f"{where}: {key} needs trainer: megatron-core")
+    version = trainers.megatron_version(config.megatron_path) if trainers.runs_megatron(trainer) else None
+    run = PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)
+    skipped = expectations.not_run(run, version)
+    if skipped is not None:         # not made on this megatron, as the case states: nothing there to admit
+        return skipped
     problem = trainers.problem(config)
     if problem:
         raise UsageError(f"{where}: {problem}")
-    run = PlannedRun(spec=v, config=config, layout=layout, is_baseline=is_baseline)
-    return expectations.resolve(run, trainers.megatron_version(config.megatron_path)
-                                if trainers.runs_megatron(trainer) else None)
+    return expectations.resolve(run, version)

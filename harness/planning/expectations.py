@@ -204,3 +204,31 @@ def bugs_elsewhere(declared, applied) -> list[str]:
     # a cross-implementation entry may state more bugs than one (`harness.judging.crossimpl.StatedBug`)
     return [f"{bug} (megatron-core {e.versions})" for e in declared.megatron_versions if e is not applied
             for bug in [e.bug, *(m.bug for m in getattr(e, "more_bugs", ()))] if bug and bug != own]
+
+
+def not_run(run, version: Optional[str]):
+    """Planned run `run` marked not made (``not_run``: the reason, the version and "as the case states") when its
+    `megatron_versions` entry for megatron-core `version` says ``not_run``; else None."""
+    entry = entry_for(run.spec, version)
+    if entry is None or entry.not_run is None:
+        return None
+    return dataclasses.replace(run, declared=run.spec,
+                               not_run=f"{entry.not_run} (megatron-core {version}; the case says so)")
+
+
+def split_not_run(path, runs: list) -> tuple[list, list]:
+    """(runs to make, runs not made on this megatron) of a planned case; what is compared with, or resumes from,
+    a run not made is not made either, so the case must say so for it too.
+
+    Raises:
+        UsageError: a run that would be made is compared with, or resumes from, one that is not."""
+    skipped = {r.spec.name for r in runs if r.not_run}
+    base = runs[0].spec.name
+    for r in runs:
+        needs = [n for n in (r.spec.compare_to or (None if r.is_baseline else base),
+                             r.spec.resume.variant if r.spec.resume else None) if n in skipped]
+        if needs and not r.not_run:
+            raise UsageError(f"{path}: variant {r.spec.name!r} needs {needs[0]!r}, which is not made on this megatron "
+                             f"({next(x.not_run for x in runs if x.spec.name == needs[0])}): give "
+                             f"{r.spec.name!r} the same megatron_versions entry (not_run)")
+    return [r for r in runs if not r.not_run], [r for r in runs if r.not_run]

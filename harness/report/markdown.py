@@ -142,6 +142,9 @@ def _notes(result: CaseResult) -> list[str]:
     if golden:
         out += ["", "Golden trace comparison, runs that are not equal to it:"]
         out += [f"- {md_cell(v.name)}: {md_cell(golden_words(g))}" for v, g in golden]
+    if result.not_run:
+        out += ["", "Not run on this megatron, as the case states:"]
+        out += [f"- {md_cell(r['name'])}: {md_cell(r['reason'])}" for r in result.not_run]
     return out
 
 
