@@ -4,6 +4,8 @@ case expects (`Expectation`) and what was measured of the run (`Evidence`); the 
 (`harness.judging.crossimpl`: two trainers, one run) is `judge_cross_implementation`'s, and a golden's
 (`harness.judging.golden`) adds to a run's verdict.  Rules, in the order they apply:
 
+0. a run the case states to crash (``crash``: a known upstream bug): pass when it stopped with that error, fail
+   when it completed, ``error`` when it stopped otherwise; nothing else is judged of it;
 1. the run did not complete (``error``), or its run-to-run repeats were not all run: ``error``;
 2. run-to-run nondeterminism: ``fail`` (not a layout effect);
 3. a replica that trains apart from its original (`harness.judging.compare.replica_status`) fails *whatever the
@@ -46,13 +48,14 @@ class Expectation:
     replica_drift: Optional[list] = None
     compare_to: Optional[str] = None
     is_baseline: bool = False
+    crash: Optional[str] = None         # a known upstream crash: the text its error must contain
 
     @classmethod
     def of(cls, run: PlannedRun) -> "Expectation":
         """The expectation of planned run `run` (its resolved spec)."""
         s = run.spec
         return cls(s.expect, s.first_divergence, s.signature, getattr(s, "replica_drift", None), s.compare_to,
-                   run.is_baseline)
+                   run.is_baseline, getattr(s, "crash", None))
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class Verdict:
 def decide(want: Expectation, ev: Evidence) -> Verdict:
     """The verdict of one run from its expectation and evidence, by the rules of the module docstring (the only
     place a verdict is made)."""
+    if want.crash is not None:
+        return _crash(want.crash, ev.error)
     if ev.error:
         return Verdict("error", "error", ev.error.splitlines()[0])
     replicas = None if ev.twin_equal else ev.replicas
@@ -107,6 +112,18 @@ def decide(want: Expectation, ev: Evidence) -> Verdict:
     if ev.localisation:
         reason += f"; localised: {ev.localisation['message']}"
     return Verdict(verdict, happened, reason, tuple(outside))
+
+
+def _crash(stated: str, error: Optional[str]) -> Verdict:
+    """The verdict of a run stated to crash (a known upstream bug, `VariantSpec.crash`): pass when its error says
+    `stated`; an error of another kind stays an error; a run that completed fails (the bug is gone: say so)."""
+    if error is None:
+        return Verdict("fail", "unexpectedly completed", f"completed, but the case states it crashes with {stated!r} "
+                                                         "(fixed upstream? then update the case)")
+    line = next((x for x in error.splitlines() if stated in x), None)
+    if line is None:
+        return Verdict("error", "error", error.splitlines()[0] + f" (the case states a crash with {stated!r})")
+    return Verdict("pass", "crashed as stated", f"crashed as stated: {line.strip()}")
 
 
 def comparison_record(v, **extra) -> dict:

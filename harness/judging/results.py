@@ -17,7 +17,7 @@ EXPECTS: tuple = get_args(Expect)
 #: expectation held, the outcome says what happened.
 Outcome = Literal["reference", "equal", "differs only where allowed", "differs as expected",
                   "unexpected difference", "unexpectedly equal", "not finite", "not finite as expected",
-                  "unexpectedly finite", "error"]
+                  "unexpectedly finite", "crashed as stated", "unexpectedly completed", "error"]
 #: ``buffer``: a traced buffer after its update (the routers' expert bias), not a parameter; ``optimizer_state``:
 #: Adam's moments of a parameter after the update (`harness.judging.compare`)
 DivergenceKind = Literal["inventory", "loss", "grad", "grad_norm", "optimizer_state", "param", "buffer"]

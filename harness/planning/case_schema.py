@@ -133,23 +133,26 @@ class VersionExpectation(_Strict):
     # the run is not made on these versions, and why in one line (a model class they do not have): the report
     # lists it as not run there, as the case states; nothing else may be said with it
     not_run: Optional[str] = Field(None, min_length=1, max_length=300)
+    crash: Optional[str] = Field(None, min_length=1, max_length=300)    # as VariantSpec.crash, on these versions
     first_divergence: Optional[list[ExpectedDivergence]] = None
     signature: Optional[list[SignaturePlace]] = None
     replica_drift: Optional[list[ReplicaDrift]] = None
     bug: Optional[str] = Field(None, max_length=300)
-    _printable = field_validator("versions", "bug", "not_run")(bounds.printable)
+    _printable = field_validator("versions", "bug", "not_run", "crash")(bounds.printable)
 
     _specifiers = field_validator("versions")(check_specifiers)
     _lists = field_validator("first_divergence", "replica_drift", mode="before")(_one_or_more)
 
     @model_validator(mode="after")
     def _expect_or_not_run(self):
-        said = [k for k in ("first_divergence", "signature", "replica_drift", "bug") if getattr(self, k) is not None]
+        said = [k for k in ("crash", "first_divergence", "signature", "replica_drift", "bug")
+                if getattr(self, k) is not None]
         if self.not_run is not None and (self.expect is not None or said):
             first = "expect" if self.expect is not None else said[0]
             raise ValueError(f"not_run: the run is not made on {self.versions}, so {first} says nothing there")
-        if self.not_run is None and self.expect is None:
-            raise ValueError("expect: required (or not_run: why the run is not made on these versions)")
+        if self.not_run is None and self.expect is None and self.crash is None:
+            raise ValueError("expect: required (or crash: the error a known upstream bug stops the run with, or "
+                             "not_run: why the run is not made on these versions)")
         return self
 
 
@@ -190,11 +193,14 @@ class VariantSpec(_Strict):
     layout_rules: Literal["bitparity", "megatron"] = "bitparity"
     # the upstream bug this run exposes (a Megatron-LM commit or issue): the report shows it beside the verdict
     bug: Optional[str] = Field(None, max_length=300)
+    # a known upstream crash: the run must stop with an error whose text contains this (with `bug`, naming it);
+    # it passes as "crashed as stated", fails if it completes (the bug was fixed: say so) or stops otherwise
+    crash: Optional[str] = Field(None, min_length=1, max_length=300)
     # what holds on other megatron versions: the first entry whose `versions` (PEP 440) match the run's
     # megatron-core replaces expect / first_divergence / signature / replica_drift / bug (harness.planning.expectations.resolve)
     megatron_versions: list[VersionExpectation] = Field(default_factory=list, max_length=16)
     # names reach the terminal and the report: an ANSI escape or a newline in one is rejected, not printed
-    _names_printable = field_validator("name", "compare_to", "inject", "bug")(bounds.printable)
+    _names_printable = field_validator("name", "compare_to", "inject", "bug", "crash")(bounds.printable)
     _lists = field_validator("first_divergence", "replica_drift", mode="before")(_one_or_more)
 
 

@@ -192,7 +192,8 @@ def resolve(run, version: Optional[str]):
     declared = run.declared or run.spec
     entry = entry_for(declared, version)
     spec = declared if entry is None else declared.model_copy(update={
-        "expect": entry.expect, "first_divergence": entry.first_divergence, "signature": entry.signature,
+        "expect": entry.expect or "bitwise", "crash": entry.crash,
+        "first_divergence": entry.first_divergence, "signature": entry.signature,
         "replica_drift": entry.replica_drift, "bug": entry.bug if entry.bug is not None else declared.bug})
     return dataclasses.replace(run, spec=spec, declared=declared)
 

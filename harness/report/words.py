@@ -257,6 +257,8 @@ OUTCOME_STYLE = {
     "not finite": ("unexpected", "✗", "not finite"),
     "not finite as expected": ("expected", "nan", "not finite as expected (a bug caught)"),
     "unexpectedly finite": ("unexpected", "✗", "unexpectedly finite"),
+    "crashed as stated": ("expected", "!", "crashed as stated (a known upstream bug)"),
+    "unexpectedly completed": ("unexpected", "✗", "completed, but a crash was stated"),
     "error": ("error", "!", "error"),
     "reference": ("reference", "ref", "reference run"),
 }
