@@ -70,7 +70,8 @@ def junit_xml(result: CaseResult) -> str:
     """JUnit XML: ``<testsuites>`` holding one ``<testsuite name=case>``, one ``<testcase>`` per variant (and one
     named ``cross-implementation`` when the case has that check, one named ``golden`` when the runs were compared
     with goldens: a failure when a run differs from its golden, ``<skipped>`` when the goldens were never
-    checked on this CPU family and a run differs: not counted as a failure).
+    checked on this CPU family and a run differs: not counted as a failure; one ``<skipped>`` testcase per run the
+    case says is not made on this megatron, its reason the message).
 
     Each testcase has ``classname="bitparity.<case>"``, ``name=<variant>`` and ``time=<elapsed_s>``.
     A failing variant carries ``<failure message=reason>`` whose text is the first divergence (and its
@@ -86,12 +87,14 @@ def junit_xml(result: CaseResult) -> str:
     golden = result.golden if isinstance(result.golden, dict) and result.golden else None
     golden_verdict = golden.get("verdict") if golden else None
     n += golden is not None
+    not_run = list(getattr(result, "not_run", None) or [])
+    n += len(not_run)
     failures = sum(v.verdict == "fail" for v in result.variants) + (cross_verdict == "fail") + \
         (golden_verdict == "fail")
     errors = sum(v.verdict == "error" for v in result.variants) + (cross_verdict == "error")
     total_time = f"{finite_or_none(result.elapsed_s) or 0.0:.3f}"
     counts = {"tests": str(n), "failures": str(failures), "errors": str(errors),
-              "skipped": str(int(golden_verdict == "unchecked")), "time": total_time}
+              "skipped": str(int(golden_verdict == "unchecked") + len(not_run)), "time": total_time}
 
     root = ET.Element("testsuites", {"name": "bitparity", **counts})
     suite = ET.SubElement(root, "testsuite", {"name": case, **counts})
@@ -121,6 +124,10 @@ def junit_xml(result: CaseResult) -> str:
         else:
             out = ET.SubElement(tc, "system-out")
             out.text = clean_text(v.reason or "pass")
+    for r in not_run:           # runs the case says are not made on this megatron: skipped, with why
+        tc = ET.SubElement(suite, "testcase", {"classname": f"bitparity.{case}", "name": clean_text(r["name"]),
+                                               "time": "0.000"})
+        ET.SubElement(tc, "skipped", {"message": clean_text(r["reason"])})
     if cross is not None:       # one more testcase: the cross-implementation check (harness.judging.crossimpl)
         tc = ET.SubElement(suite, "testcase", {"classname": f"bitparity.{case}", "name": "cross-implementation",
                                                "time": f"{sum((cross.get('elapsed_s') or {}).values()):.3f}"})

@@ -142,6 +142,7 @@ def summary_dict(result: CaseResult) -> dict:
                                                                           "has_baseline": bool,
                                                                           "group": int}]}],
                             "errored": [str]}  (harness.judging.agreement),
+         "not_run": [{"name": str, "reason": str}]  (runs not made on this megatron, as the case states),
          "environment": {...}}
 
     Variants keep the order of `result.variants` (baseline first).  ``compare_to`` is the run the
@@ -182,5 +183,6 @@ def summary_dict(result: CaseResult) -> dict:
         "golden": json_safe(dict(golden)) if isinstance(golden, dict) else None,
         "megatron_sources": json_safe(dict(sources)) if isinstance(sources, dict) else None,
         "agreement": json_safe(dict(agreement)) if isinstance(agreement, dict) else {},
+        "not_run": [{"name": str(r["name"]), "reason": str(r["reason"])} for r in getattr(result, "not_run", [])],
         "environment": json_safe(dict(result.environment or {})),
     }
