@@ -58,14 +58,16 @@ LONG_ITERS  ?= 8
 # Megatron-LM's own training loop with the bitparity capture (README "Capture inside your own training job"): the
 # tiny model of cases/pretrain/tiny-moe-mtp.args trained twice, MTP after the last decoder layer (Et|tmL) and MTP in
 # a stage without decoder layers (Ett|mL; both co-located with the loss in Megatron's sense), 2 ranks over gloo, then
-# `bitparity compare`.  MEGATRON_LM=<checkout>: the checkout's pretrain_gpt.py
+# `bitparity compare`; then resumed under the other layout, and migrated to HybridModel (pretrain_hybrid.py).  MEGATRON_LM=<checkout>: the checkout's pretrain_gpt.py
 # (its megatron/ first on the path; the venv's bin first on PATH: rank 0 compiles the checkout's dataset helpers
 # with `python3 -m pybind11`); else bitparity's stand-in on the installed megatron-core (>= 0.17: PY=3.12).
 MEGATRON_LM ?=
 PRETRAIN_SCRIPT = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_gpt.py,megatron_trainer/standin/pretrain_gpt.py)
+# the migration leg: layout a's blocks as HybridModel's pattern, pretrain_hybrid.py with bitparity's local stack spec
+HYBRID_SCRIPT   = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_hybrid.py,megatron_trainer/standin/pretrain_hybrid.py)
 CAPTURE_DIR ?= reports/capture
 
-.PHONY: lint verify verify-megatron verify-overlap verify-distopt verify-proxy verify-resume verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
+.PHONY: lint verify verify-megatron verify-overlap verify-distopt verify-proxy verify-resume verify-hybrid verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
 
 # The stamp depends on the manifest and the torch pin, so editing either refreshes the venv.
 $(STAMP): pyproject.toml Makefile
@@ -104,6 +106,10 @@ verify-proxy: $(STAMP)
 verify-resume: $(STAMP)
 	$(BIN)/bitparity verify cases/megatron-resume.yaml $(ARGS)
 
+# GPTModel -> HybridModel bit for bit (megatron-core >= 0.17: PY=3.12; 0.16.1 lists its hybrid runs as not run)
+verify-hybrid: $(STAMP)
+	$(BIN)/bitparity verify cases/megatron-hybrid.yaml $(ARGS)
+
 # megatron-core's own history: upstream bugs caught on the release that had them and passing on the one that
 # fixed them (and the open ones caught on every version); run under PY=3.12 too (CI runs both)
 verify-upstream-bugs: $(STAMP)
@@ -129,7 +135,14 @@ capture-demo: $(STAMP)
 	    $$args --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "$$layout" "$$@" \
 	    >> $(CAPTURE_DIR)/resumed.log 2>&1 || { tail -30 $(CAPTURE_DIR)/resumed.log; exit 1; }; \
 	done; \
-	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/resumed --out reports --name capture-demo-resume $(ARGS)
+	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/resumed --out reports --name capture-demo-resume $(ARGS); \
+	echo "== migration: $(HYBRID_SCRIPT), hybrid_layer_pattern +E|+E/+E (layout a's blocks) -> $(CAPTURE_DIR)/hybrid"; \
+	PATH="$(abspath $(BIN)):$$PATH" OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+	  -m megatron_trainer.pretrain --bitparity-out $(CAPTURE_DIR)/hybrid --bitparity-init 7 $(HYBRID_SCRIPT) \
+	  $$args --pipeline-model-parallel-size 2 --hybrid-layer-pattern "+E|+E/+E" \
+	  --spec megatron_trainer.hybrid_spec hybrid_stack_spec > $(CAPTURE_DIR)/hybrid.log 2>&1 \
+	  || { tail -30 $(CAPTURE_DIR)/hybrid.log; exit 1; }; \
+	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/hybrid --out reports --name capture-demo-migration $(ARGS)
 
 verify-golden: $(STAMP)
 	@set -e; for c in $(GOLDEN_CASES); do \

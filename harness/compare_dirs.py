@@ -178,12 +178,20 @@ def _span(steps: list) -> str:
 
 def _layout(header: dict, trace: Trace) -> tuple[str, int, int, bool]:
     """(layout words, P, V, MTP standalone) from a trace: megatron's pipeline_model_parallel_layout when the
-    header has it (standalone: Megatron's sense, the MTP stage not on the last pp rank)."""
+    header has it, a HybridModel job's hybrid_layer_pattern with its GPT layout (`trainerkit.hybrid_pattern`)
+    (standalone: Megatron's sense, the MTP stage not on the last pp rank)."""
     settings = header.get("settings") if isinstance(header.get("settings"), dict) else {}
     pp = trace.pipeline_model_parallel_size
     vpp = max(1, len(header.get("stages") or [0]))
     text = settings.get("pipeline_model_parallel_layout")
+    pattern = settings.get("hybrid_layer_pattern")
     standalone = False
+    if pattern and not text:        # a HybridModel job: its pattern, and the GPT layout of it where it has one
+        from trainerkit.hybrid_pattern import parse_hybrid_pattern
+        try:
+            text = parse_hybrid_pattern(pattern).layout
+        except ValueError:          # a pattern of other blocks (Mamba, attention without MLP): the words only
+            return f"hybrid {pattern}", pp, vpp, standalone
     if text:
         from trainerkit.layout import PipelineLayout, parse_layout
         try:
@@ -192,6 +200,8 @@ def _layout(header: dict, trace: Trace) -> tuple[str, int, int, bool]:
             standalone, vpp = layout.mtp_standalone, layout.virtual_pipeline_model_parallel_size
         except ValueError:      # LayoutError: megatron accepted it; a newer grammar only loses the word
             pass
+    if pattern:
+        text = f"hybrid {pattern} [{text}]"
     return text or f"P={pp} V={vpp}", pp, vpp, standalone
 
 

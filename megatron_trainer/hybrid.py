@@ -33,8 +33,10 @@ def is_hybrid(model) -> bool:
     return hasattr(model, "hybrid_layer_pattern")
 
 
-def stack_spec():
-    """The local (non-TE) ``HybridStack`` spec: GPT's local MLA layer split in two (`module docstring`).
+def stack_spec(qk_layernorm: bool = True):
+    """The local (non-TE) ``HybridStack`` spec: GPT's local MLA layer split in two (`module docstring`), with the
+    MLA's q / kv layernorms as the run's config has them (`qk_layernorm`: bitparity's DeepSeek-V3 always; a job's
+    ``--qk-layernorm``, as GPT's local spec takes it from the config).
 
     Megatron source: ``hybrid_layer_specs.hybrid_stack_spec`` (the TE one it mirrors), ``gpt_layer_specs.
     get_gpt_layer_local_spec`` (the modules), ``backends.LocalSpecProvider`` (the MTP block's norms and
@@ -57,9 +59,9 @@ def stack_spec():
     )
 
     # num_experts only selects the MoE module spec: the expert count comes from the config when it is built
-    dense = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=True,
+    dense = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
                                      multi_latent_attention=True).submodules
-    moe = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False, qk_layernorm=True,
+    moe = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
                                    multi_latent_attention=True).submodules
     backend = LocalSpecProvider()
     norm = backend.layer_norm()

@@ -13,6 +13,8 @@ TRACE_FORMAT.md; `pretrain_hooks`); compare two such directories with
   the inert CUDA RNG tracker saved an empty state, which Megatron-LM's loader refuses), `compat_distopt`'s with
   ``--use-distributed-optimizer``, torch.compile off (megatron's fused helpers; 7-20 s per rank, same bits);
 * on CUDA: `compat`'s local-spec points (megatron's local layers without Transformer Engine), nothing else;
+* with ``--hybrid-layer-pattern`` (``pretrain_hybrid.py``) and no Transformer Engine: `compat_hybrid`'s point, and
+  ``--spec megatron_trainer.hybrid_spec hybrid_stack_spec`` gives HybridModel bitparity's local stack spec;
 * the capture (`pretrain_hooks.install`).
 
 Bad invocation (no script, a script that is not a file, an output directory that cannot be made): one line on
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         if "--sequence-parallel" in args.args:
             from . import compat_tp
             points += compat_tp.apply()
+        if _given(args.args, "--hybrid-layer-pattern"):
+            from . import compat_hybrid
+            points += compat_hybrid.apply() if compat_hybrid.needed("hybrid") else ()
         if not cuda and "--use-distributed-optimizer" in args.args:
             from . import compat_distopt
             points += compat_distopt.apply()

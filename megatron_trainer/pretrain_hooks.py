@@ -166,7 +166,7 @@ def _reinitialise(params: list, optimizer, args, seed: int) -> None:
     ``--init-method-std`` and ``--num-layers``, and what the optimizer steps from them: the fp32 master copies
     (bf16), under the distributed optimizer this rank's fp32 range of each; a TP slice is cut from the whole
     parameter (`train.initialise`)."""
-    cfg = SimpleNamespace(init_method_std=args.init_method_std, num_layers=args.num_layers,
+    cfg = SimpleNamespace(init_method_std=args.init_method_std, num_layers=_gpt_num_layers(args),
                           moe_router_init_method_std=None)
     megatron_train.initialise(params, cfg, seed)
     ranges, masters = optimizer_view.owned_ranges(optimizer), optimizer_view.master_params(optimizer)
@@ -176,6 +176,18 @@ def _reinitialise(params: list, optimizer, args, seed: int) -> None:
             continue
         r = ranges.get(id(gp.param))
         master.copy_((r.of(gp.param) if r is not None else gp.param).float())
+
+
+def _gpt_num_layers(args) -> int:
+    """The decoder layer count the output projections' init is scaled by (`trainerkit.init`): ``--num-layers``,
+    or for a HybridModel (``--hybrid-layer-pattern``, where megatron counts every Hybrid layer) its main pattern's
+    attention layers, GPT's ``num_layers`` of the same blocks, so a GPT job and its Hybrid migration start from
+    the same weights."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern:
+        return args.num_layers
+    main = pattern.split("/")[0]
+    return max(1, sum(main.count(c) for c in "+*D"))
 
 
 def _header(args, params, setup_s, argv) -> dict:
@@ -191,6 +203,7 @@ def _header(args, params, setup_s, argv) -> dict:
                          "megatron_core": megatron.core.__version__,
                          "megatron_path": str(Path(megatron.core.__path__[0]).resolve().parent.parent),
                          "pipeline_model_parallel_layout": _layout_text(args),
+                         "hybrid_layer_pattern": getattr(args, "hybrid_layer_pattern", None),
                          "num_microbatches": _num_microbatches(), "micro_batch_size": args.micro_batch_size,
                          "train_iters": args.train_iters, "mtp_num_layers": args.mtp_num_layers or 0}}
 

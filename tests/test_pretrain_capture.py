@@ -36,11 +36,14 @@ def tiny_args() -> list[str]:
             for w in line.split()]
 
 
-def pretrain(out: Path, layout: str, script: Path = STANDIN, env: dict | None = None, nproc: int = 2,
+def pretrain(out: Path, layout: str | None, script: Path = STANDIN, env: dict | None = None, nproc: int = 2,
              extra: tuple = (), bitparity: tuple = ("--bitparity-init", "7")) -> subprocess.CompletedProcess:
+    """The tiny job under `layout` (None: no ``--pipeline-model-parallel-layout``, e.g. a HybridModel job's
+    pattern in `extra`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "megatron_trainer.pretrain", "--bitparity-out", str(out), *bitparity, str(script), *tiny_args(),
-           "--pipeline-model-parallel-size", str(nproc), "--pipeline-model-parallel-layout", layout, *extra]
+           "--pipeline-model-parallel-size", str(nproc),
+           *(["--pipeline-model-parallel-layout", layout] if layout else []), *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
@@ -139,6 +142,24 @@ def test_tensor_and_sequence_parallel_with_the_distributed_optimizer_two_layouts
     r, summary = compare(tmp_path, runs["a"], runs["b"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
+
+
+HYBRID_STANDIN = ROOT / "megatron_trainer" / "standin" / "pretrain_hybrid.py"
+# layout a's blocks (MLA + MoE, twice; one MTP depth) as HybridModel's pattern, with bitparity's local stack spec
+HYBRID = ("--hybrid-layer-pattern", "+E|+E/+E", "--spec", "megatron_trainer.hybrid_spec", "hybrid_stack_spec")
+
+
+def test_a_pretrain_hybrid_job_is_bitwise_its_pretrain_gpt_job(tmp_path, layout_a):
+    """The migration in the user's own jobs: pretrain_hybrid.py (the stand-in on the wheel) with the pattern of
+    layout a's blocks, compared with pretrain_gpt.py's layout-a job: every step bitwise."""
+    hybrid = tmp_path / "hybrid"
+    r = pretrain(hybrid, None, HYBRID_STANDIN, extra=HYBRID)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compat points" in r.stderr and ",H1" in r.stderr.split("compat points")[1].split(";")[0]
+    proc, summary = compare(tmp_path, layout_a, hybrid)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = summary["variants"][1]
+    assert run["outcome"] == "equal" and run["layout"] == "hybrid +E|+E/+E [Et|tmL]", run
 
 
 def test_a_job_stopped_and_resumed_under_another_layout_compares_by_iteration(tmp_path, layout_a):
