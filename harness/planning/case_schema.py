@@ -70,8 +70,15 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainerkit.config import (DEFAULT_TRAINER, MAX_GPUS, MAX_TIMEOUT_S, ModelClass, ModelConfig, TrainerName,
-                              TrainingConfig)
+from trainerkit.config import (
+    DEFAULT_TRAINER,
+    MAX_GPUS,
+    MAX_TIMEOUT_S,
+    ModelClass,
+    ModelConfig,
+    TrainerName,
+    TrainingConfig,
+)
 
 from ..judging.crossimpl import CrossImplementationSpec
 from ..judging.results import DivergenceKind, Expect

@@ -15,7 +15,7 @@ from megatron.core.enums import ModelType
 from megatron.training import pretrain
 from megatron.training.argument_utils import hybrid_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
-from pretrain_gpt import datasets_provider, forward_step     # the stand-in beside this file
+from pretrain_gpt import datasets_provider, forward_step  # the stand-in beside this file
 
 if __name__ == "__main__":
     datasets_provider.is_distributed = True
