@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli, variants  # noqa: E402
+from conftest import ROOT, run_cli, variants, verify_once  # noqa: E402
 from planted import planted_megatron  # noqa: E402
 
 CASE = ROOT / "cases" / "megatron-distopt.yaml"
@@ -38,8 +38,7 @@ def _summary(out):
 
 @pytest.fixture(scope="module")
 def distopt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("distopt")
-    proc = run_cli("verify", CASE, "--out", out, timeout=900)
+    proc, out = verify_once(tmp_path_factory, CASE)
     return proc, _summary(out), out / "megatron-distopt" / "runs"
 
 

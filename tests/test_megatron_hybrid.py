@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli, variants  # noqa: E402
+from conftest import ROOT, variants, verify_once  # noqa: E402
 from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 
 from megatron_trainer.source import megatron_source  # noqa: E402
@@ -32,8 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hybrid")
-    proc = run_cli("verify", CASE, "--out", out, timeout=900)
+    proc, out = verify_once(tmp_path_factory, CASE)
     return proc, out / "megatron-hybrid"
 
 
@@ -44,6 +43,7 @@ def test_the_hybrid_case_passes_with_its_stated_outcomes(hybrid):
     summary = json.loads((report / "summary.json").read_text())
     assert all(x["verdict"] == "pass" for x in v.values()), {k: (x["verdict"], x["reason"]) for k, x in v.items()}
     hybrid_runs = [n for n in ("hybrid/p2v2-with-loss", "hybrid/p2v2-mtp-without-decoder", "hybrid/p4",
+                               "hybrid/p2", "hybrid/p3-uneven",
                                "hybrid/p1-vs-gpt-p1", "hybrid/p2v2-dp2-ep2", "hybrid/p2-tp2-sp",
                                "hybrid/distopt/p2v2-dp2-ep2", "hybrid/distopt/resumed-p2")]
     if not HAS_HYBRID:

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli, variants  # noqa: E402
+from conftest import ROOT, run_cli, variants, verify_once  # noqa: E402
 from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 from test_cli_errors import _check_usage_error  # noqa: E402
 
@@ -39,8 +39,7 @@ def _summary(out, name):
 
 @pytest.fixture(scope="module")
 def overlap(tmp_path_factory):
-    out = tmp_path_factory.mktemp("overlap")
-    proc = run_cli("verify", CASE, "--out", out, timeout=1200)
+    proc, out = verify_once(tmp_path_factory, CASE, timeout=1200)
     return proc, _summary(out, "megatron-overlap"), out / "megatron-overlap"
 
 

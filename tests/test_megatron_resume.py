@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli, variants  # noqa: E402
+from conftest import ROOT, run_cli, variants, verify_once  # noqa: E402
 from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 
 CASE = ROOT / "cases" / "megatron-resume.yaml"
@@ -30,8 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 @pytest.fixture(scope="module")
 def resume(tmp_path_factory):
-    out = tmp_path_factory.mktemp("resume")
-    proc = run_cli("verify", CASE, "--out", out, timeout=900)
+    proc, out = verify_once(tmp_path_factory, CASE)
     return proc, variants(out / "megatron-resume"), out / "megatron-resume" / "runs"
 
 

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli, variants  # noqa: E402
+from conftest import ROOT, run_cli, variants, verify_once  # noqa: E402
 from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 
 CASE = ROOT / "cases" / "megatron-proxy.yaml"
@@ -36,8 +36,7 @@ def _summary(out):
 
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory):
-    out = tmp_path_factory.mktemp("proxy")
-    proc = run_cli("verify", CASE, "--out", out, timeout=900)
+    proc, out = verify_once(tmp_path_factory, CASE)
     return proc, _summary(out), out / "megatron-proxy" / "runs"
 
 

@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli  # noqa: E402
+from conftest import ROOT, run_cli, verify_once  # noqa: E402
 from test_cli_errors import _check_usage_error  # noqa: E402
 
 CASE = ROOT / "tests" / "cases" / "megatron-small.yaml"
@@ -46,7 +46,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 
 def _verify(out, case, *args):
-    proc = run_cli("verify", case, "--out", out, *args)
+    return _read(run_cli("verify", case, "--out", out, *args), out, case)
+
+
+def _read(proc, out, case):
     summary = out / case.stem / "summary.json"
     if not summary.exists():        # summary.json is named after the case's `name:`; both names are the stem
         raise AssertionError(proc.stdout + proc.stderr)
@@ -67,8 +70,8 @@ def _rank_records(report, name, rank):
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron")
-    return _verify(out, CASE)
+    proc, out = verify_once(tmp_path_factory, CASE)
+    return _read(proc, out, CASE)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import textwrap
 from dataclasses import asdict
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, verify_once
 from planted import planted_tree, run_planted
 
 pytestmark = pytest.mark.slow
@@ -62,8 +62,7 @@ def _assert_agree(judged):
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke")
-    proc = run_cli("verify", ROOT / "cases" / "smoke.yaml", "--out", out)
+    proc, out = verify_once(tmp_path_factory, ROOT / "cases" / "smoke.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out / "smoke"
 

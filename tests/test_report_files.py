@@ -36,7 +36,7 @@ def test_summary_dict_schema_and_values(result):
     s = report.summary_dict(result)
     assert {"case", "baseline", "elapsed_s", "variants"} <= set(s)
     assert set(s) <= {"case", "baseline", "elapsed_s", "variants", "all_pass", "cross_implementation", "golden",
-                      "megatron_sources", "agreement", "environment"}
+                      "megatron_sources", "agreement", "not_run", "environment"}
     assert s["agreement"] == {}         # not computed (harness.judging.agreement; tests/test_agreement.py)
     assert s["case"] == "dsv3_small"
     assert s["baseline"] == "baseline"

@@ -8,15 +8,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, verify_once
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reports")
-    proc = run_cli("verify", ROOT / "cases" / "smoke.yaml", "--out", out)
+    proc, out = verify_once(tmp_path_factory, ROOT / "cases" / "smoke.yaml")
     return proc, out / "smoke"
 
 
