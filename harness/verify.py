@@ -26,7 +26,7 @@ from .judging.judge import Evidence, Expectation, bugs_elsewhere, comparison_rec
 from .judging.localise import boundary_mismatches, localise
 from .judging.results import CaseResult, StepSeries, VariantResult
 from .judging.trace import Trace, TraceError, check_losses, first_nonfinite, merge, overlap_coverage
-from .planning import trainers
+from .planning import expectations, trainers
 from .planning.budget import Deadline
 from .planning.cases import CasePlan, PlannedRun
 from .report import write_report
@@ -154,6 +154,17 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     with outdir.workspace(out_root, plan.name) as (work, final):
         return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
                        goldens, jobs or pool.cores(), deadline or Deadline(None))
+
+
+def _cross_not_run(spec, plan) -> str:
+    """Why the case's cross-implementation check is not made on this megatron (its megatron_versions entry's
+    not_run, with the version), or ""."""
+    if spec is None:
+        return ""
+    run = next((r for r in plan.runs + plan.not_run if trainers.runs_megatron(r.config.trainer)), None)
+    version = trainers.megatron_version(run.config.megatron_path) if run else None
+    entry = expectations.entry_for(spec, version)
+    return f"{entry.not_run} (megatron-core {version}; the case says so)" if entry and entry.not_run else ""
 
 
 def _layout_words(cfg) -> str:
@@ -309,20 +320,17 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     spec = plan.spec.cross_implementation
     chosen = next((r for r in plan.runs if spec and r.spec.name == (spec.variant or base_name)), None)
     against = next((r.config for r in plan.runs if spec and spec.against and r.spec.name == spec.against), None)
-    skipped = {r.spec.name: r.not_run for r in plan.not_run}
-    why = (lambda n: f"is not run on this megatron: {skipped[n]}" if n in skipped else "is not among the runs (--only)")
-    if spec and spec.against and against is None:
+    # not made on this megatron, as the case states (its variant is not run, or crashes, here: `cases` checks it)
+    cross_not_run = _cross_not_run(spec, plan)
+    if cross_not_run:
         chosen = None
-        progress(f"[cross-implementation] skipped: variant {spec.against!r} (against) {why(spec.against)}")
+        progress(f"[cross-implementation] not run: {cross_not_run}")
+    elif spec and spec.against and against is None:
+        chosen = None
+        progress(f"[cross-implementation] skipped: variant {spec.against!r} (against) is not among the runs (--only)")
     elif spec and chosen is None:
-        progress(f"[cross-implementation] skipped: variant {spec.variant or base_name!r} "
-                 f"{why(spec.variant or base_name)}")
-    stated_crash = next((r.spec.name for r in (chosen, next((x for x in plan.runs if spec and x.spec.name ==
-                                                              spec.against), None)) if r and r.spec.crash), None)
-    if stated_crash is not None:        # a run stated to crash (a known upstream bug) has nothing to repeat
-        chosen = None
-        progress(f"[cross-implementation] skipped: variant {stated_crash!r} crashes on this megatron, as the case "
-                 "states")
+        progress(f"[cross-implementation] skipped: variant {spec.variant or base_name!r} is not among the runs "
+                 "(--only)")
     if chosen is not None and deadline.spent():
         cross = judge_cross_implementation(crossimpl.not_run(spec, chosen.config, deadline.not_started().error),
                                            crossimpl.expectation(spec, chosen.config))
@@ -348,7 +356,8 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     result = CaseResult(case=plan.name, case_path=str(plan.path), baseline=base_name, variants=variants,
                         elapsed_s=time.monotonic() - start, environment=env, command=command,
                         cross_implementation=cross, golden=golden_record, megatron_sources=plan.megatron_sources,
-                        agreement=agreed, not_run=[{"name": r.spec.name, "reason": r.not_run} for r in plan.not_run])
+                        agreement=agreed, not_run=[{"name": r.spec.name, "reason": r.not_run} for r in plan.not_run]
+                        + ([{"name": "cross-implementation", "reason": cross_not_run}] if cross_not_run else []))
     write_report(result, work)
     outdir.publish(work, final)
     return result

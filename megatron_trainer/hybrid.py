@@ -90,7 +90,8 @@ def problem(cfg: RunConfig) -> str | None:
     import megatron.core
     if importlib.util.find_spec("megatron.core.models.hybrid") is None:
         return (f"model_class: hybrid: megatron-core {megatron.core.__version__} has no HybridModel "
-                f"(megatron/core/models/hybrid/ is megatron-core >= {FIRST_VERSION}'s)")
+                f"(megatron/core/models/hybrid/ is megatron-core >= {FIRST_VERSION}'s); a case says so with the "
+                f"variant's megatron_versions: [{{versions: '<{FIRST_VERSION}', not_run: '...'}}]")
     from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern as megatron_parse
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     try:

@@ -72,9 +72,11 @@ def test_a_pattern_of_another_architecture_than_the_models_is_refused(text, frag
 def test_the_placement_is_checked_as_a_layout_naming_the_pattern():
     layout = pipeline_layout(parse_hybrid_pattern("+-|+E|+E|+E/+E"), 2, 4, 1)
     assert layout.virtual_pipeline_model_parallel_size == 2 and layout.rank_of(layout.mtp_stage) == (1, 1)
-    with pytest.raises(HybridPatternError, match=r"^hybrid_layer_pattern '\+-\+E\|\+E\+E/\+E': 2 stages are not "
-                                                 r"divisible by pipeline_model_parallel_size=3 \(as the GPT layout"):
+    with pytest.raises(HybridPatternError, match=r"^hybrid_layer_pattern '\+-\+E\|\+E\+E/\+E': 2 segments \('\|'-"
+                                                 r"separated\) do not divide over pipeline_model_parallel_size=3"):
         pipeline_layout(parse_hybrid_pattern("+-+E|+E+E/+E"), 3, 4, 1)
+    with pytest.raises(HybridPatternError, match=r"has 5 decoder layers 't' but num_layers=4 \(as the GPT layout"):
+        pipeline_layout(parse_hybrid_pattern("+-+E+E+E+E/+E"), 1, 4, 1)
 
 
 def test_layout_explain_reads_a_pattern_and_refuses_a_bad_one_in_one_line(tmp_path):
@@ -82,7 +84,7 @@ def test_layout_explain_reads_a_pattern_and_refuses_a_bad_one_in_one_line(tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert "= GPT layout Et|t|tt|mL" in proc.stdout and "segment 3: m0=+E" in proc.stdout
     assert "pp1 | t1   | m0 L" in proc.stdout
-    for bad, fragment in (("+-+|E", "position 3"), ("+-+E|+E+E/+E --pp 3", "not divisible")):
+    for bad, fragment in (("+-+|E", "position 3"), ("+-+E|+E+E/+E --pp 3", "do not divide over")):
         text, *more = bad.split(" ")
         proc = run_cli("layout", "explain", text, "--pp", *(more[1:] or ["2"]))
         _check_usage_error(proc, tmp_path / "none", fragment)
@@ -108,7 +110,13 @@ variants:
     ("model_class: hybrid, hybrid_layer_pattern: '+-|+E|+E|+-/+-', pipeline_model_parallel_size: 2",
      "block 3 is dense"),
     ("model_class: hybrid, hybrid_layer_pattern: '+-|+E|+E|+E/+E', pipeline_model_parallel_size: 3",
-     "4 stages are not divisible by pipeline_model_parallel_size=3"),
+     "4 segments ('|'-separated) do not divide over pipeline_model_parallel_size=3"),
+    ("model_class: hybrid, hybrid_layer_pattern: '+-|+E|+E|+E/+E/+E', pipeline_model_parallel_size: 2",
+     "has 2 MTP depth(s) ('/' parts) but model.mtp_num_layers is 1"),       # the pattern's words, not 't' / 'm'
+    ("model_class: hybrid, hybrid_layer_pattern: '+-+E+E+E|/+E', pipeline_model_parallel_size: 1",
+     "hybrid_layer_pattern '+-+E+E+E|/+E' (GPT layout 'Etttt|mL'): layout has 2 stages per rank"),        # a schedule refusal names the pattern
+    ("model_class: hybrid, hybrid_layer_pattern: '+-|+E|+E|+E/+E', pipeline_model_parallel_size: 2, "
+     "megatron_versions: [{versions: '>=0', crash: IndexError}]", "crash: needs bug:"),
     ("model_class: hybrid, trainer: reference, hybrid_layer_pattern: '+-+E|+E+E/+E', pipeline_model_parallel_size: 2",
      "trainer: megatron-core"),
     ("model_class: hybrid, hybrid_layer_pattern: '+-|+E|+E|+E/+E', pipeline_model_parallel_size: 2, "
@@ -118,6 +126,27 @@ variants:
 ])
 def test_a_hybrid_variant_the_case_cannot_run_is_one_line(tmp_path, variant, fragment):
     (tmp_path / "h.yaml").write_text(CASE % variant)
+    out = tmp_path / "out"
+    _check_usage_error(run_cli("verify", tmp_path / "h.yaml", "--out", out), out, fragment)
+
+
+@pytest.mark.parametrize("more, fragment", [
+    # compared with a run stated to crash, without stating it
+    ("megatron_versions: [{versions: '>=0', crash: IndexError, bug: b}]}\n"
+     "  - {name: w, compare_to: v, pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2",
+     "variant 'w' needs 'v', which the case states crashes on this megatron ('IndexError')"),
+    # the cross-implementation check of a run not made, without saying so
+    ("megatron_versions: [{versions: '>=0', not_run: 'not today'}]}\n"
+     "cross_implementation: {variant: v, step: 0, max_ulp: 16", "give the check a megatron_versions entry with not_run"),
+    # the check says not_run where its variant runs
+    ("megatron_versions: [{versions: '<0', not_run: 'never'}]}\n"
+     "cross_implementation: {variant: v, step: 0, megatron_versions: [{versions: '>=0', not_run: x}]",
+     "says not_run, but its variant 'v' runs here"),
+])
+def test_what_needs_a_run_not_made_or_crashing_must_say_so(tmp_path, more, fragment):
+    # GPT runs (any megatron-core): the rules are the model class's no more than the version's
+    (tmp_path / "h.yaml").write_text(CASE % (
+        "pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2, " + more))
     out = tmp_path / "out"
     _check_usage_error(run_cli("verify", tmp_path / "h.yaml", "--out", out), out, fragment)
 

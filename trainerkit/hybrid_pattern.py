@@ -167,10 +167,16 @@ def pipeline_layout(pattern: HybridPattern, pipeline_model_parallel_size: int, n
         HybridPatternError: the placement breaks a layout rule (named with the pattern, and the GPT layout)."""
     from .layout import PipelineLayout
 
+    P, n = pipeline_model_parallel_size, len(pattern.segments)
+    if isinstance(P, int) and P >= 1 and n % P:
+        raise HybridPatternError(pattern.text, f"{n} segment{'s' if n > 1 else ''} ('|'-separated) do not divide over "
+                                 f"pipeline_model_parallel_size={P}: flat segment i runs on pp rank i % P, so give "
+                                 "a multiple of P")
     try:
         return PipelineLayout.from_string(pattern.layout, pipeline_model_parallel_size, num_layers, mtp_num_layers)
     except LayoutError as e:
-        raise HybridPatternError(pattern.text, f"{e.problem} (as the GPT layout {pattern.layout!r})") from None
+        shown = pattern.layout if len(pattern.layout) <= 60 else pattern.layout[:50] + "..."
+        raise HybridPatternError(pattern.text, f"{e.problem} (as the GPT layout {shown!r})") from None
 
 
 def check_against_model(pattern: HybridPattern, moe_layers: list[int], mtp_num_layers: int) -> str | None:

@@ -49,9 +49,10 @@ from .trace import Trace
 
 #: RunConfig fields that place or observe a run without changing what it computes (by bitparity's contract).
 PLACEMENT_FIELDS = ("parallel", "num_gpus", "dump", "checkpoint", "resume_from", "rank_timeout_s")
-#: What a case puts under test: a planted fault, another megatron source.  Left out of the key because a
-#: run that differs there is exactly the one the grouping must show apart from the others.
-UNDER_TEST_FIELDS = ("inject", "megatron_path")
+#: What a case puts under test: a planted fault, another megatron source, the model class (GPTModel or
+#: HybridModel of the same architecture: the migration claims the same numbers).  Left out of the key because
+#: a run that differs there is exactly the one the grouping must show apart from the others.
+UNDER_TEST_FIELDS = ("inject", "megatron_path", "model_class")
 
 
 class Run(NamedTuple):

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainerkit.capture import read_dumps
 from trainerkit.config import TRAINERS, DumpConfig, RunConfig
@@ -102,13 +102,22 @@ class CrossVersionExpectation(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     versions: str = Field(min_length=1, max_length=200)
-    expect: Literal["agree", "disagree"]
+    expect: Literal["agree", "disagree"] = "agree"
     first_beyond_bound: Optional[str] = Field(None, max_length=300)
     bug: Optional[str] = Field(None, max_length=300)
     more_bugs: list[StatedBug] = Field(default_factory=list, max_length=8)
+    # the check is not made on these versions, and why (its variant is not run there, or crashes as stated)
+    not_run: Optional[str] = Field(None, min_length=1, max_length=300)
 
     _specifiers = field_validator("versions")(check_specifiers)
-    _printable = field_validator("versions", "first_beyond_bound", "bug")(printable)
+    _printable = field_validator("versions", "first_beyond_bound", "bug", "not_run")(printable)
+
+    @model_validator(mode="after")
+    def _not_run_alone(self):
+        if self.not_run is not None and (self.expect != "agree" or self.first_beyond_bound or self.bug
+                                         or self.more_bugs):
+            raise ValueError(f"not_run: the check is not made on {self.versions}, so nothing else can be said there")
+        return self
 
 
 CrossImplementationSpec.model_rebuild()

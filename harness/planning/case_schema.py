@@ -130,6 +130,13 @@ class ResumeSpec(_Strict):
     _variant_printable = field_validator("variant")(bounds.printable)
 
 
+def _crash_with_bug(spec):
+    """A stated crash names the upstream bug behind it (`bug`): the report says what was caught."""
+    if spec.crash is not None and not spec.bug:
+        raise ValueError("crash: needs bug: (the upstream bug the run crashes with, which the report names)")
+    return spec
+
+
 class VersionExpectation(_Strict):
     """What holds for a run on the megatron-core versions `versions` (PEP 440 specifiers, e.g. ``"<0.17"``,
     ``">=0.17,<0.20"``; pre-releases and Megatron-LM checkouts match by their version number): it replaces the
@@ -157,6 +164,7 @@ class VersionExpectation(_Strict):
         if self.not_run is not None and (self.expect is not None or said):
             first = "expect" if self.expect is not None else said[0]
             raise ValueError(f"not_run: the run is not made on {self.versions}, so {first} says nothing there")
+        _crash_with_bug(self)
         if self.not_run is None and self.expect is None and self.crash is None:
             raise ValueError("expect: required (or crash: the error a known upstream bug stops the run with, or "
                              "not_run: why the run is not made on these versions)")
@@ -209,6 +217,10 @@ class VariantSpec(_Strict):
     # names reach the terminal and the report: an ANSI escape or a newline in one is rejected, not printed
     _names_printable = field_validator("name", "compare_to", "inject", "bug", "crash")(bounds.printable)
     _lists = field_validator("first_divergence", "replica_drift", mode="before")(_one_or_more)
+
+    @model_validator(mode="after")
+    def _crash_names_its_bug(self):
+        return _crash_with_bug(self)
 
 
 class CaseSpec(_Strict):

@@ -26,7 +26,7 @@ from trainerkit.config import (
     ranks_per_stage,
 )
 from trainerkit.data import DataError, TokenDataset
-from trainerkit.hybrid_pattern import parse_hybrid_pattern, pipeline_layout
+from trainerkit.hybrid_pattern import check_against_model, parse_hybrid_pattern, pipeline_layout
 from trainerkit.layout import LayoutError, PipelineLayout
 from trainerkit.parallel_rules import check_data_parallel_microbatches, check_expert_parallel, check_tensor_parallel
 from trainerkit.schedule import ScheduleError, build_schedule, simulate
@@ -189,7 +189,7 @@ def load_case(path: str | Path, only: Optional[list[str]] = None, inject: Option
     runs, not_run = expectations.split_not_run(path, runs)
     _check_resume_trainers(path, spec)
     _check_resume_loadable(path, runs)
-    _check_cross_implementation(path, spec, runs, names)
+    _check_cross_implementation(path, spec, runs, names, not_run)
     return CasePlan(name=case_name, path=path, spec=spec, runs=runs, not_run=not_run)
 
 
@@ -222,8 +222,10 @@ def _check_resume_loadable(path: Path, runs: list) -> None:
             raise UsageError(f"{path}: variant {r.spec.name!r} resumes from {r.spec.resume.variant!r}: {problem}")
 
 
-def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: list) -> None:
-    """The cross-implementation run names a planned variant, a step it runs, and the other trainer can run it."""
+def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: list, not_run: list = ()) -> None:
+    """The cross-implementation run names a planned variant, a step it runs, and the other trainer can run it;
+    where its variant (or ``against``) is not made or is stated to crash on this megatron, the check's own
+    ``megatron_versions`` entry says ``not_run`` too."""
     x = spec.cross_implementation
     if x is None:
         return
@@ -231,6 +233,20 @@ def _check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: l
     name = x.variant or spec.baseline.name
     if name not in names:
         raise UsageError(f"{where}: variant {name!r} is not a variant")
+    cannot = {r.spec.name: r.not_run for r in not_run} | {r.spec.name: f"stated to crash: {r.spec.crash!r}"
+                                                        for r in runs if getattr(r.spec, "crash", None)}
+    version = next((trainers.megatron_version(r.config.megatron_path) for r in list(runs) + list(not_run)
+                    if trainers.runs_megatron(r.config.trainer)), None)
+    blocked = next((n for n in (name, x.against) if n in cannot), None)
+    entry = expectations.entry_for(x, version)
+    if blocked is not None:
+        if entry is None or entry.not_run is None:
+            raise UsageError(f"{where}: variant {blocked!r} is not run or crashes on this megatron "
+                             f"({cannot[blocked]}): give the check a megatron_versions entry with not_run there too")
+        return
+    if entry is not None and entry.not_run is not None:
+        raise UsageError(f"{where}: its megatron_versions entry ({entry.versions}) says not_run, but its variant "
+                         f"{name!r} runs here")
     run = next((r for r in runs if r.spec.name == name), None)
     if run is None:             # left out by --only: the cross-implementation run is skipped with it
         return
@@ -338,7 +354,12 @@ def _check_data(path: Path, spec: CaseSpec) -> None:
         raise UsageError(f"{path}: training.data.path {data.path}: {bounds.os_reason(e)}") from None
 
 
-def _layout_text(where: str, v: VariantSpec, model_class: str) -> str:
+def _short(text: str) -> str:
+    """`text` quoted, cut to one readable line."""
+    return repr(text) if len(text) <= 80 else f"{text[:60]!r}... ({len(text)} characters)"
+
+
+def _layout_text(where: str, v: VariantSpec, model_class: str, model) -> str:
     """The variant's GPT layout: its ``pipeline_model_parallel_layout``, or for a HybridModel the layout of its
     ``hybrid_layer_pattern``'s placement (`trainerkit.hybrid_pattern`).
 
@@ -347,13 +368,19 @@ def _layout_text(where: str, v: VariantSpec, model_class: str) -> str:
     if model_class == "hybrid":
         if v.pipeline_model_parallel_layout is not None:
             raise UsageError(f"{where}: a HybridModel variant (model_class: hybrid) places its layers with "
-                             "hybrid_layer_pattern, not pipeline_model_parallel_layout")
+                             "hybrid_layer_pattern, not pipeline_model_parallel_layout (one that `extends:` or a "
+                             "YAML merge brings is cleared with pipeline_model_parallel_layout: null)")
         if v.hybrid_layer_pattern is None:
             raise UsageError(f"{where}: model_class: hybrid needs hybrid_layer_pattern (HybridModel's layout)")
         try:
-            return parse_hybrid_pattern(v.hybrid_layer_pattern).layout
+            pattern = parse_hybrid_pattern(v.hybrid_layer_pattern)
         except LayoutError as e:
             raise UsageError(f"{where}: {e}") from None
+        # in the pattern's own words before its GPT layout is checked (which counts 't' and 'm')
+        problem = check_against_model(pattern, model.moe_layers, model.mtp_num_layers)
+        if problem:
+            raise UsageError(f"{where}: hybrid_layer_pattern {_short(pattern.text)}: {problem}")
+        return pattern.layout
     if v.hybrid_layer_pattern is not None:
         raise UsageError(f"{where}: hybrid_layer_pattern is HybridModel's layout: it needs model_class: hybrid")
     if v.pipeline_model_parallel_layout is None:
@@ -384,7 +411,7 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         except OSError as e:
             raise UsageError(f"{where}: options.data.path {training.data.path}: {bounds.os_reason(e)}") from None
     model_class = v.model_class or spec.model_class
-    layout_text = _layout_text(where, v, model_class)
+    layout_text = _layout_text(where, v, model_class, spec.model)
     P, EP = v.pipeline_model_parallel_size, ranks_per_stage(v.tensor_model_parallel_size, v.data_parallel_size,
                                                             v.expert_model_parallel_size)
     bounds.check_run_size(where, P, EP)
@@ -398,8 +425,12 @@ def _plan(path: Path, spec: CaseSpec, v: VariantSpec, is_baseline: bool, inject:
         simulate(build_schedule(layout, training.num_microbatches, training.seq_length,
                                 training.micro_batch_size, spec.model.hidden_size,
                                 v.overlap_moe_expert_parallel_comm))
-    except (LayoutError, ScheduleError) as e:
+    except LayoutError as e:
         raise UsageError(f"{where}: {e}") from None
+    except ScheduleError as e:          # the schedule speaks of the GPT layout: name the pattern it came from
+        pattern = f"hybrid_layer_pattern {_short(v.hybrid_layer_pattern)} (GPT layout " \
+                  f"{_short(layout_text)}): " if model_class == "hybrid" else ""
+        raise UsageError(f"{where}: {pattern}{e}") from None
     problem = overlap_problem(spec.model, v.overlap_moe_expert_parallel_comm, v.delay_wgrad_compute)
     if problem:
         raise UsageError(f"{where}: {problem}")

@@ -219,17 +219,25 @@ def not_run(run, version: Optional[str]):
 
 def split_not_run(path, runs: list) -> tuple[list, list]:
     """(runs to make, runs not made on this megatron) of a planned case; what is compared with, or resumes from,
-    a run not made is not made either, so the case must say so for it too.
+    a run not made is not made either, and what needs a run stated to crash (``crash``) crashes with it: the case
+    must say so for it too.
 
     Raises:
-        UsageError: a run that would be made is compared with, or resumes from, one that is not."""
-    skipped = {r.spec.name for r in runs if r.not_run}
+        UsageError: a run that would be made is compared with, or resumes from, one that is not, or one stated to
+            crash without stating it; the baseline stated to crash."""
+    skipped = {r.spec.name: r.not_run for r in runs if r.not_run}
+    crashing = {r.spec.name: r.spec.crash for r in runs if not r.not_run and getattr(r.spec, "crash", None)}
     base = runs[0].spec.name
+    if base in crashing:
+        raise UsageError(f"{path}: baseline {base!r}: crash: the baseline is every run's reference; state the crash "
+                         "on a variant")
     for r in runs:
-        needs = [n for n in (r.spec.compare_to or (None if r.is_baseline else base),
-                             r.spec.resume.variant if r.spec.resume else None) if n in skipped]
-        if needs and not r.not_run:
-            raise UsageError(f"{path}: variant {r.spec.name!r} needs {needs[0]!r}, which is not made on this megatron "
-                             f"({next(x.not_run for x in runs if x.spec.name == needs[0])}): give "
-                             f"{r.spec.name!r} the same megatron_versions entry (not_run)")
+        for n in (r.spec.compare_to or (None if r.is_baseline else base),
+                  r.spec.resume.variant if r.spec.resume else None):
+            if n in skipped and not r.not_run:
+                raise UsageError(f"{path}: variant {r.spec.name!r} needs {n!r}, which is not made on this megatron "
+                                 f"({skipped[n]}): give {r.spec.name!r} the same megatron_versions entry (not_run)")
+            if n in crashing and not (r.not_run or getattr(r.spec, "crash", None)):
+                raise UsageError(f"{path}: variant {r.spec.name!r} needs {n!r}, which the case states crashes on this "
+                                 f"megatron ({crashing[n]!r}): state that crash for {r.spec.name!r} too")
     return [r for r in runs if not r.not_run], [r for r in runs if r.not_run]

@@ -23,6 +23,7 @@ from .words import (
     OUTCOME_STYLE,
     agreement_splits,
     bug_words,
+    bugs_elsewhere_lines,
     card_anchors,
     clean_text,
     clip_words,
@@ -86,7 +87,8 @@ def render_html(result: CaseResult, report_dir: Optional[pathlib.Path] = None) -
         counts=counts,
         golden=golden if isinstance(golden, dict) and golden else None,
         agreement=_agreement(result, anchors),
-        bugs=[(v.name, anchors[i], w) for i, v in enumerate(result.variants) for w in [bug_words(v)] if w]
+        bugs=[(v.name, anchors[i], w) for i, v in enumerate(result.variants) for w in [bug_words(v, False)] if w]
+        + [("other versions", None, w) for w in bugs_elsewhere_lines(result.variants)]
         + [("cross-implementation", "cross-implementation", w) for w in cross_bug_words(result.cross_implementation)],
         matrix=verdict_matrix(result, anchors),
         symbols=SYMBOLS,

@@ -14,6 +14,7 @@ from trainerkit.config import DEFAULT_TRAINER
 from .words import (
     agreement_splits,
     bug_words,
+    bugs_elsewhere_lines,
     canonical_words,
     clean_text,
     clip_words,
@@ -151,7 +152,8 @@ def _notes(result: CaseResult) -> list[str]:
 def bugs_markdown(result: CaseResult) -> list[str]:
     """The upstream bugs the case states ([] when none): per run with a ``bug``, and for the cross-implementation
     check, whether it was caught and what moved first, how far (`words.bug_words`)."""
-    lines = [f"- {md_cell(v.name)}: {md_cell(w)}" for v in result.variants for w in [bug_words(v)] if w]
+    lines = [f"- {md_cell(v.name)}: {md_cell(w)}" for v in result.variants for w in [bug_words(v, False)] if w]
+    lines += [f"- {md_cell(w)}" for w in bugs_elsewhere_lines(result.variants)]
     lines += [f"- cross-implementation: {md_cell(w)}" for w in cross_bug_words(result.cross_implementation)]
     return ["", "Upstream bugs this case states:"] + lines if lines else []
 

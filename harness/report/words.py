@@ -360,7 +360,7 @@ def megatron_source_words(src: dict) -> str:
     return f"megatron-core {src.get('version')}{where} at {src.get('path')}"
 
 
-def bug_words(v: VariantResult) -> Optional[str]:
+def bug_words(v: VariantResult, elsewhere: bool = True) -> Optional[str]:
     """What a run that states an upstream bug showed, in one line, or None for a run that states none.
 
     A run whose expectation demands the bug (``diverge``, ``not_finite``) and passes: ``caught`` with what moved
@@ -368,11 +368,15 @@ def bug_words(v: VariantResult) -> Optional[str]:
     distance in the ULP evidence and which tensor, or where training first stopped being finite; failing: ``NOT
     caught`` and why.  A bug stated with a replica drift (``replica_drift``: a run whose copies train apart):
     ``caught`` with the first broken replica.  A bug stated with an expectation of equality, or only for other
-    megatron versions (``bug_elsewhere``): whether it is absent here."""
+    megatron versions (``bug_elsewhere``; `elsewhere` False: left out, `bugs_elsewhere_lines` says them once
+    for all runs): whether it is absent here.  A stated crash (``crash``): ``caught`` with the error line."""
     bug = getattr(v, "bug", None)
     lines = []
     drift = (getattr(v, "replica_status", None) or {}).get("consistent") is False
-    if bug and v.expect in ("diverge", "not_finite"):
+    if bug and getattr(v, "outcome", None) in ("crashed as stated", "unexpectedly completed"):
+        lines.append(f"{clean_text(bug)}: {'caught' if v.verdict == 'pass' else 'NOT as stated'} — "
+                     f"{clean_text(v.reason)}")
+    elif bug and v.expect in ("diverge", "not_finite"):
         lines.append(_caught(v, bug))
     elif bug and drift:         # a stated replica drift (`replica_drift`): the bug shows as copies training apart
         lines.append(f"{clean_text(bug)}: {'caught' if v.verdict == 'pass' else 'NOT as stated'} — "
@@ -380,10 +384,25 @@ def bug_words(v: VariantResult) -> Optional[str]:
     elif bug:
         lines.append(f"{clean_text(bug)}: {'absent here' if v.verdict == 'pass' else 'NOT as stated'} — "
                      f"{clean_text(v.reason)}")
-    for other in getattr(v, "bug_elsewhere", None) or []:
+    for other in (getattr(v, "bug_elsewhere", None) or []) if elsewhere else []:
         lines.append(f"{clean_text(other)}: {'passes' if v.verdict == 'pass' else 'FAILS'} on this megatron — "
                      f"{clean_text(v.reason)}")
     return "; ".join(lines) or None
+
+
+def bugs_elsewhere_lines(variants: list) -> list[str]:
+    """One line per upstream bug the case states only for other megatron versions (a run's ``bug_elsewhere``),
+    for all the runs that state it at once: how many pass on this megatron, and which fail (at most 4 named)."""
+    runs: dict = {}
+    for v in variants:
+        for bug in getattr(v, "bug_elsewhere", None) or []:
+            runs.setdefault(bug, []).append(v)
+    out = []
+    for bug, vs in runs.items():
+        bad = [clean_text(v.name) for v in vs if v.verdict != "pass"]
+        out.append(f"{clean_text(bug)}: stated for other megatron versions; on this one {len(vs) - len(bad)} of "
+                   f"{len(vs)} run(s) stating it pass" + (f", FAIL: {', '.join(bad[:4])}" if bad else ""))
+    return out
 
 
 def _caught(v: VariantResult, bug: str) -> str:

@@ -22,8 +22,8 @@ are bitwise equal by construction:
   tokens ``[r*T/EP, (r+1)*T/EP)``; ``RepeatRows`` makes its K (token, k) rows, with a fixed-order backward
   sum), sorted by expert (stable, so ascending token order per expert); after the all-to-all an expert
   receives source 0's rows, then source 1's, ... (``sort_chunks``) = exactly the rows, in the order, of
-  EP = 1, in one fresh contiguous tensor: the same GEMM operands, the same bits, forward and backward (the
-  weight gradient sums the same rows in the same order);
+  EP = 1, contiguous: the same GEMM operands, the same bits, forward and backward (the weight gradient sums
+  the same rows in the same order; `grouped` multiplies all local experts at once with the loop's bits);
 * combine returns each row to its source (the reverse all-to-all), weights it by the top-k probs in a fixed
   order, and ``GatherShards`` all-gathers the shards so every EP rank again holds the whole [T, h] output.
 
@@ -284,16 +284,18 @@ def plan_dispatch(index: torch.Tensor, num_experts: int, ep: Optional[ExpertPara
                         shuffle_sources=shuffle_sources and size > 1)
 
 
-def sort_chunks(received: torch.Tensor, plan: DispatchPlan) -> list[torch.Tensor]:
-    """Received rows in [source][local expert] order -> one fresh contiguous tensor per local expert with
-    source 0's rows, then source 1's, ... (``dispatch_postprocess``'s ``sort_chunks_by_idxs``)."""
+def sort_chunks(received: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list]:
+    """Received rows in [source][local expert] order -> (rows [T, h] in [local expert][source] order: each local
+    expert's rows contiguous, source 0's then source 1's, ...; rows per local expert) (``dispatch_postprocess``'s
+    ``sort_chunks_by_idxs``), one fresh tensor."""
     sizes = [c for row in plan.local_counts for c in row]
     chunks = received.split(sizes)
     size, el = len(plan.local_counts), len(plan.local_counts[0])
     sources = list(range(size))
     if plan.shuffle_sources:
         sources.reverse()
-    return [torch.cat([chunks[i * el + j] for i in sources]) for j in range(el)]
+    counts = [sum(plan.local_counts[i][j] for i in sources) for j in range(el)]
+    return torch.cat([chunks[i * el + j] for j in range(el) for i in sources]), counts
 
 
 def unsort_chunks(outputs: list[torch.Tensor], plan: DispatchPlan) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 
 from trainerkit.config import ModelConfig
 
+from . import grouped
 from .common import LossAutoScaler, SwiGLUMLP, fanout
 from .expert_parallel import (
     ExpertParallel,
@@ -230,13 +231,14 @@ class MoELayer(nn.Module):
         st["moe.permuted"] = all_to_all(st["moe.permuted"], plan.out_splits, plan.in_splits, self.ep)
 
     def experts_compute(self, st: dict) -> None:
-        """``moe.permuted`` -> ``moe.expert_out`` (same rows, same order): each local expert on one fresh
-        contiguous tensor of its rows, source 0's then source 1's ... (= EP 1's rows in EP 1's order)."""
+        """``moe.permuted`` -> ``moe.expert_out`` (same rows, same order): each local expert on its rows, source
+        0's then source 1's ... (= EP 1's rows in EP 1's order), all local experts in grouped matrix products
+        (`grouped.swiglu`: the bits of one expert at a time)."""
         plan = st["moe.meta"][2]
-        inputs = sort_chunks(st.pop("moe.permuted"), plan)
+        rows, counts = sort_chunks(st.pop("moe.permuted"), plan)
         first = 0 if self.ep is None else self.ep.local_experts(self.cfg.num_moe_experts).start
-        outputs = [self.experts[str(first + j)](x) for j, x in enumerate(inputs)]
-        st["moe.expert_out"] = unsort_chunks(outputs, plan)
+        out = grouped.swiglu(rows, counts, [self.experts[str(first + j)] for j in range(len(counts))])
+        st["moe.expert_out"] = unsort_chunks(out.split(counts), plan)
 
     def combine(self, st: dict) -> torch.Tensor:
         """The reverse all-to-all (Megatron's ``token_combine``), un-permute ``moe.expert_out`` (the inverse
