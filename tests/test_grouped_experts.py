@@ -76,6 +76,7 @@ def test_the_path_is_a_function_of_the_model_and_the_device():
     experts = _experts(32, 16, 2, torch.float32, "cpu")
     assert grouped.use_grouped(torch.empty(3, 32), experts) == hasattr(torch, "_grouped_mm")
     assert not grouped.use_grouped(torch.empty(3, 32), [])
+    assert not grouped.use_grouped(torch.empty(3, 32, dtype=torch.float64), experts)     # the fp64 oracle: the loop
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")

@@ -24,9 +24,9 @@ from . import linear
 def use_grouped(x: torch.Tensor, experts: list) -> bool:
     """Whether this torch groups the experts of a layer with inputs like `x` [T, h] (a pure function of the
     device, dtype and sizes, so every layout and EP degree of a run takes the same path): ``torch._grouped_mm``
-    exists; on CUDA also compute capability >= 9.0 and every GEMM dimension a multiple of 16 bytes (its
-    alignment rule); on CPU always."""
-    if not experts or not hasattr(torch, "_grouped_mm"):
+    exists and takes the dtype (fp32 or bf16, the ones measured; not fp64, which the oracle tests use); on CUDA
+    also compute capability >= 9.0 and every GEMM dimension a multiple of 16 bytes (its alignment rule)."""
+    if not experts or not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
     if x.device.type == "cpu":
         return True
