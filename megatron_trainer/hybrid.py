@@ -23,7 +23,6 @@ from trainerkit.hybrid_pattern import parse_hybrid_pattern
 
 #: megatron-core's first release with HybridModel (``megatron/core/models/hybrid/``)
 FIRST_VERSION = "0.17"
-_DECODER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _MTP_INNER = re.compile(r"^(mtp\.layers\.\d+)\.mtp_model_layer\.layers\.\d+\.")
 
 
@@ -151,13 +150,10 @@ def layer_ids(model) -> dict[str, int]:
     return {str(i): (layer.layer_number - 1) // 2 for i, layer in enumerate(model.decoder.layers)}
 
 
-def global_name(local: str, layers: dict[str, int]) -> str:
-    """GPT's global name of HybridModel parameter `local` (before the routed experts' renumbering): decoder layers
-    by `layer_ids`, ``decoder.final_norm`` -> ``decoder.final_layernorm``, an MTP depth's inner
-    ``mtp_model_layer.layers.{i}.`` -> ``transformer_layer.``."""
-    m = _DECODER.match(local)
-    if m:
-        return f"decoder.layers.{layers[m.group(1)]}.{m.group(2)}"
+def global_name(local: str) -> str:
+    """GPT's global name of a HybridModel parameter outside the decoder layers (those are renamed by `layer_ids`,
+    as GPT's, in `model._global_name`; routed experts renumbered there too): ``decoder.final_norm`` ->
+    ``decoder.final_layernorm``, an MTP depth's inner ``mtp_model_layer.layers.{i}.`` -> ``transformer_layer.``."""
     if local.startswith("decoder.final_norm."):
         return "decoder.final_layernorm." + local[len("decoder.final_norm."):]
     return _MTP_INNER.sub(r"\1.transformer_layer.", local)

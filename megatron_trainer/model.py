@@ -239,10 +239,10 @@ _MTP_INNER = re.compile(r"^(mtp\.layers\.\d+)\.mtp_model_layer\.")
 def _global_name(local: str, layers: dict[str, int], experts_per_rank: int, ep_rank: int,
                  is_hybrid: bool = False) -> str:
     m = _DECODER.match(local)
-    if is_hybrid:
-        name = hybrid.global_name(local, layers)
-    elif m:
+    if m:                   # `layers` already maps a HybridModel's layer to its GPT layer (`hybrid.layer_ids`)
         name = f"decoder.layers.{layers[m.group(1)]}.{m.group(2)}"
+    elif is_hybrid:
+        name = hybrid.global_name(local)
     else:
         name = _MTP_INNER.sub(r"\1.transformer_layer.", local)
     return _LOCAL_EXPERT.sub(lambda e: f".mlp.experts.{ep_rank * experts_per_rank + int(e.group(1))}.", name)
