@@ -5,6 +5,8 @@
 #   bash bench/gpu_session.sh           fingerprint vs torch.sum (bench_fingerprint_gpu); capture / step inside the
 #                                       rank with CUDA events (bench_gpu_capture, ~1.35B parameters); where a dsv3-gpu
 #                                       P = 1 step's time goes (profile_rank, 1 step); the fingerprint kernel tests
+#   bash bench/gpu_session.sh table     the dsv3 four-run table, GPU against this box's CPU cores (bench_gpu_cpu), the
+#                                       fingerprint against torch.sum without the sweep, a dsv3-gpu P = 1 step's profile
 #   bash bench/gpu_session.sh dsv3 ...  cases/dsv3-gpu.yaml within DSV3_BUDGET (default 540s; extra args go to
 #                                       bitparity verify); the summary with every run's time to $OUT/dsv3-gpu-summary.json
 set -u
@@ -25,6 +27,12 @@ if [ "${1:-}" = dsv3 ]; then
     grep -v "^      collecting" "$OUT/dsv3-gpu.log" | tail -40
     cp /tmp/rep/dsv3-gpu/summary.json "$OUT/dsv3-gpu-summary.json" 2>/dev/null
     exit $rc
+fi
+if [ "${1:-}" = table ]; then
+    echo "== dsv3: GPU against CPU, side by side"; timeout 570 python3 bench/bench_gpu_cpu.py --out "$OUT/gpu_cpu.json" 2>&1 | tail -8
+    echo "== fingerprint benchmark (no sweep)"; timeout 120 python3 bench/bench_fingerprint_gpu.py --no-sweep --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -14
+    echo "== profile: dsv3-gpu pp1, one step"; timeout 130 python3 bench/profile_rank.py cases/dsv3-gpu.yaml pp1-no-pipelining --steps 1 --out "$OUT" --rows 30 > "$OUT/profile_pp1.txt" 2>&1; echo "exit $?"; head -c 2500 "$OUT/profile_pp1.txt"
+    exit 0
 fi
 echo "== fingerprint benchmark"; timeout 150 python3 bench/bench_fingerprint_gpu.py --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -45
 echo "== capture inside the rank"; timeout 200 python3 bench/bench_gpu_capture.py --steps 5 --out "$OUT/gpu_capture.json" 2>&1 | tail -8

@@ -122,6 +122,7 @@ def test_reference_and_megatron_agree_within_the_bound(tmp_path):
     assert "cross-implementation" in (tmp_path / "rep" / "xi" / "index.html").read_text()
 
 
+@pytest.mark.newest_megatron
 @pytest.mark.slow
 @pytest.mark.megatron
 def test_a_bug_the_same_on_every_layout_is_caught_only_by_the_other_implementation(tmp_path):

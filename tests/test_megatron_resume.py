@@ -86,6 +86,7 @@ PLANTED = {
 }
 
 
+@pytest.mark.newest_megatron
 @pytest.mark.parametrize("what", list(PLANTED))
 def test_a_planted_resume_defect_is_caught_where_it_first_shows(tmp_path, what):
     edits, variant, (step, kind), name = PLANTED[what]
@@ -102,6 +103,7 @@ _OFFSET_ROTATED = ("\n        local_expert_indices_offset = ((self.ep_group.rank
                    "* self.num_local_experts\n")
 
 
+@pytest.mark.newest_megatron
 def test_a_resharded_load_giving_an_ep_rank_another_ranks_experts_fails_at_the_load(tmp_path):
     head = planted_megatron(tmp_path / "mlm", {EXPERTS: [(_OFFSET, _OFFSET_ROTATED)]})
     out = tmp_path / "out"
@@ -148,6 +150,7 @@ def test_a_resume_megatron_cannot_load_is_one_line(tmp_path, saver, resumer, fra
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.jsonl"))
 
 
+@pytest.mark.newest_megatron
 def test_a_baseline_that_resumes_is_one_line(tmp_path):
     (tmp_path / "bad.yaml").write_text(
         f"extends: {ROOT / 'tests' / 'cases' / 'megatron-small.yaml'}\nname: bad\ntraining: {{train_iters: 3}}\n"

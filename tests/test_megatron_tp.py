@@ -61,6 +61,7 @@ def test_tp_2_is_within_its_ulp_bound_of_tp_1_and_says_so(proxy):
     assert "proxy-p4v2-mtp-standalone vs proxy-p4v2-tp1" in proc.stdout
 
 
+@pytest.mark.newest_megatron
 @pytest.mark.parametrize("against, fragment", [
     ("nope", "against: 'nope' is not a variant"),
     ("proxy-p4v2-mtp-standalone", "is the variant itself"),
@@ -111,6 +112,7 @@ _OFFSET = ("            out[id(weight)] = Shard(shape, dim, rank * part, ((rank 
            "            out[id(weight)] = Shard(shape, dim, 0, ((0, part),))")
 
 
+@pytest.mark.newest_megatron
 def test_a_tp_slice_at_the_wrong_offset_is_a_trace_error_naming_key_and_ranks(tmp_path):
     tree = planted_tree(tmp_path / "tree", {"megatron_trainer/model.py": [_OFFSET]})
     proc = run_planted(tree, "verify", CASE, "--out", tmp_path / "out", "--only", "proxy-p4-mtp-with-loss",
@@ -127,6 +129,7 @@ _TP_REDUCE = "            torch.distributed.all_reduce(coalesced, op=all_reduce_
 _TP_REDUCE_DROPPED = "            pass  # planted: the TP all-reduce of the norms' gradients is gone\n"
 
 
+@pytest.mark.newest_megatron
 def test_a_norm_gradient_not_reduced_over_tp_makes_the_tp_copies_drift_at_step_0(tmp_path):
     head = planted_megatron(tmp_path / "mlm", {FINALIZE: [(_TP_REDUCE, _TP_REDUCE_DROPPED)]})
     proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--megatron-head", head, "--only",
@@ -139,6 +142,7 @@ def test_a_norm_gradient_not_reduced_over_tp_makes_the_tp_copies_drift_at_step_0
     assert "gradient at step 0" in status["detail"], status
 
 
+@pytest.mark.newest_megatron
 @pytest.mark.parametrize("variant, fragment", [
     ({"sequence_parallel": True}, "sequence_parallel splits activations over the tensor-parallel ranks"),
     ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 2,
@@ -160,6 +164,7 @@ def test_bad_tensor_parallel_input_is_one_line_and_exit_2(tmp_path, variant, fra
     assert not (tmp_path / "out" / "bad").exists()
 
 
+@pytest.mark.newest_megatron
 @pytest.mark.parametrize("variant, model, fragment", [
     ({"sequence_parallel": False}, {}, "needs sequence_parallel: true"),
     ({"options": {"seq_length": 7}}, {}, "training.seq_length=7 is not a multiple of tensor_model_parallel_size"),

@@ -227,6 +227,7 @@ def test_manifest_names_the_trainer(megatron, reference):
 
 # --- 3. planted defects -----------------------------------------------------------------------------------
 
+@pytest.mark.newest_megatron
 def test_planted_defects_are_caught_at_the_embedding_sync(injected):
     """Both defects break the embedding sync between the first stage and the MTP stage: the first stage's
     embedding gradient misses the MTP stage's contribution (the first divergence) and the MTP stage's replica
@@ -412,6 +413,7 @@ BAD = {
 }
 
 
+@pytest.mark.newest_megatron
 @pytest.mark.arithmetic_free
 @pytest.mark.parametrize("what", list(BAD))
 def test_unsupported_runs_are_one_line_usage_errors(tmp_path, what):
@@ -424,6 +426,7 @@ def test_unsupported_runs_are_one_line_usage_errors(tmp_path, what):
                        "megatron-core", *fragments)
 
 
+@pytest.mark.newest_megatron
 @pytest.mark.arithmetic_free
 def test_fuzz_plants_only_the_megatron_trainers_faults(tmp_path):
     """`bitparity fuzz --inject` on a megatron-core case knows the megatron trainer's faults, not the reference's

@@ -313,7 +313,7 @@ def _broken_verify(tmp_path, path):
 
 @pytest.mark.arithmetic_free
 @pytest.mark.parametrize("path", ["reference_impl/train.py", *(
-    pytest.param(p, marks=pytest.mark.megatron) for p in ("megatron_trainer/worker.py", "megatron_trainer/train.py"))])
+    pytest.param(p, marks=[pytest.mark.megatron, pytest.mark.newest_megatron]) for p in ("megatron_trainer/worker.py", "megatron_trainer/train.py"))])
 def test_a_trainer_that_cannot_be_imported_is_a_per_run_error(tmp_path, path):
     if path.startswith("megatron"):
         pytest.importorskip("megatron.core")

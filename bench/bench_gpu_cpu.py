@@ -1,0 +1,71 @@
+"""The same dsv3 runs on the GPU and on the same machine's CPU cores, side by side in one process (issue #38's
+four-run table): `bitparity verify cases/dsv3.yaml` limited to four layouts (P = 16 standalone, the baseline;
+P = 16 with the loss; P = 2 1F1B; P = 1), one run after another (``--jobs 1``), first with ``--device cuda``
+(every rank on the one GPU, boundary tensors staged through pinned host memory over gloo), then on the CPU (one
+core per rank).  The time of each run is the harness's own ``elapsed_s`` (start of its ranks to their last
+trace record); both passes run the same code, data and steps, so only the device differs.
+
+    python3 bench/bench_gpu_cpu.py [--case cases/dsv3.yaml] [--out FILE]
+
+Writes a JSON table (runs, seconds per device, cpu/gpu ratio; > 1: the GPU is faster) and prints it.  Needs a
+CUDA device; exits 2 with one line without one.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ["pp16-vpp2-mtp-with-loss", "pp2-1f1b-mtp-with-loss", "pp1-no-pipelining"]
+
+
+def _run(case: str, device: str, out: Path, timeout: int) -> dict[str, float]:
+    """{run name: elapsed_s} of the case's baseline and VARIANTS on `device`, one run after another."""
+    cmd = [sys.executable, "-m", "harness", "verify", case, "--device", device, "--jobs", "1", "--out", str(out)]
+    for v in VARIANTS:
+        cmd += ["--only", v]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    summaries = list(out.glob("*/summary.json"))
+    if not summaries:
+        sys.exit(f"bench_gpu_cpu: {device}: no summary (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
+    summary = json.loads(summaries[0].read_text())
+    return {v["name"]: v["elapsed_s"] for v in summary["variants"]} | {"_verdict_ok": summary["all_pass"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", default="cases/dsv3.yaml")
+    ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/gpu_cpu.json")
+    ap.add_argument("--timeout", type=int, default=280, help="seconds per device pass")
+    args = ap.parse_args()
+    import torch
+    if not torch.cuda.is_available():
+        print("bench_gpu_cpu: needs a CUDA device (none found); nothing measured", file=sys.stderr)
+        return 2
+    times, ok = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for device in ("cuda", "cpu"):
+            t = _run(args.case, device, Path(tmp) / device, args.timeout)
+            ok[device] = t.pop("_verdict_ok")
+            times[device] = t
+    rows = [{"run": name, "cuda_s": round(times["cuda"][name], 2), "cpu_s": round(times["cpu"][name], 2),
+             "cpu_over_gpu": round(times["cpu"][name] / times["cuda"][name], 2)} for name in times["cuda"]]
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "case": args.case, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "cpu_cores": os.cpu_count(), "all_pass": ok, "runs": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'run':32s} {'cuda s':>8s} {'cpu s':>8s} {'cpu/gpu':>8s}")
+    for r in rows:
+        print(f"{r['run']:32s} {r['cuda_s']:8.2f} {r['cpu_s']:8.2f} {r['cpu_over_gpu']:8.2f}")
+    print(f"verdicts all pass: {ok}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
