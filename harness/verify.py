@@ -26,7 +26,7 @@ from .judging.judge import Evidence, Expectation, bugs_elsewhere, comparison_rec
 from .judging.localise import boundary_mismatches, localise
 from .judging.results import CaseResult, StepSeries, VariantResult
 from .judging.trace import Trace, TraceError, check_losses, first_nonfinite, merge, overlap_coverage
-from .planning import expectations, trainers
+from .planning import crosscheck, trainers
 from .planning.budget import Deadline
 from .planning.cases import CasePlan, PlannedRun
 from .report import write_report
@@ -154,17 +154,6 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     with outdir.workspace(out_root, plan.name) as (work, final):
         return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
                        goldens, jobs or pool.cores(), deadline or Deadline(None))
-
-
-def _cross_not_run(spec, plan) -> str:
-    """Why the case's cross-implementation check is not made on this megatron (its megatron_versions entry's
-    not_run, with the version), or ""."""
-    if spec is None:
-        return ""
-    run = next((r for r in plan.runs + plan.not_run if trainers.runs_megatron(r.config.trainer)), None)
-    version = trainers.megatron_version(run.config.megatron_path) if run else None
-    entry = expectations.entry_for(spec, version)
-    return f"{entry.not_run} (megatron-core {version}; the case says so)" if entry and entry.not_run else ""
 
 
 def _layout_words(cfg) -> str:
@@ -321,7 +310,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
     chosen = next((r for r in plan.runs if spec and r.spec.name == (spec.variant or base_name)), None)
     against = next((r.config for r in plan.runs if spec and spec.against and r.spec.name == spec.against), None)
     # not made on this megatron, as the case states (its variant is not run, or crashes, here: `cases` checks it)
-    cross_not_run = _cross_not_run(spec, plan)
+    cross_not_run = crosscheck.stated_not_run(plan.spec, plan.runs + plan.not_run)
     if cross_not_run:
         chosen = None
         progress(f"[cross-implementation] not run: {cross_not_run}")

@@ -413,7 +413,6 @@ BAD = {
 }
 
 
-@pytest.mark.newest_megatron
 @pytest.mark.arithmetic_free
 @pytest.mark.parametrize("what", list(BAD))
 def test_unsupported_runs_are_one_line_usage_errors(tmp_path, what):

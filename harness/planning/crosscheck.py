@@ -25,10 +25,8 @@ def check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: li
         raise UsageError(f"{where}: variant {name!r} is not a variant")
     cannot = {r.spec.name: r.not_run for r in not_run} | {r.spec.name: f"stated to crash: {r.spec.crash!r}"
                                                         for r in runs if getattr(r.spec, "crash", None)}
-    version = next((trainers.megatron_version(r.config.megatron_path) for r in list(runs) + list(not_run)
-                    if trainers.runs_megatron(r.config.trainer)), None)
     blocked = next((n for n in (name, x.against) if n in cannot), None)
-    entry = expectations.entry_for(x, version)
+    entry, _ = _version_entry(x, list(runs) + list(not_run))
     if blocked is not None:
         if entry is None or entry.not_run is None:
             raise UsageError(f"{where}: variant {blocked!r} is not run or crashes on this megatron "
@@ -67,6 +65,26 @@ def check_cross_implementation(path: Path, spec: CaseSpec, runs: list, names: li
     problem = trainers.problem(mine) or trainers.problem(other)
     if problem:
         raise UsageError(f"{where}: variant {name!r} cannot run on the other trainer: {problem}")
+
+
+def stated_not_run(spec: CaseSpec, runs: list) -> str:
+    """Why the case's cross-implementation check is not made on the megatron its runs import: its
+    ``megatron_versions`` entry's ``not_run`` with the version (`check_cross_implementation` made sure the entry
+    says so exactly where its variant is not run or crashes), or "" (made, or the case has no such check).
+
+    runs: the planned runs, those not run on this megatron included (`harness.planning.cases.PlannedRun`)."""
+    if spec.cross_implementation is None:
+        return ""
+    entry, version = _version_entry(spec.cross_implementation, runs)
+    return f"{entry.not_run} (megatron-core {version}; the case says so)" if entry and entry.not_run else ""
+
+
+def _version_entry(x, runs: list) -> tuple:
+    """(the check's ``megatron_versions`` entry for the megatron-core the megatron runs import, or None; that
+    version, or None where no run imports megatron)."""
+    version = next((trainers.megatron_version(r.config.megatron_path) for r in runs
+                    if trainers.runs_megatron(r.config.trainer)), None)
+    return expectations.entry_for(x, version), version
 
 
 def _check_against(where: str, against: str, name: str, runs: list, names: list, mine) -> None:
