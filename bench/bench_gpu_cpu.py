@@ -1,5 +1,6 @@
-"""The same dsv3 runs on the GPU and on the same machine's CPU cores, side by side in one process (issue #38's
-four-run table): `bitparity verify cases/dsv3.yaml` limited to four layouts (P = 16 standalone, the baseline;
+"""The same dsv3 runs on the GPU and on this machine's CPU cores, side by side in one process.
+
+Issue #38's four-run table: `bitparity verify cases/dsv3.yaml` limited to four layouts (P = 16 standalone, the baseline;
 P = 16 with the loss; P = 2 1F1B; P = 1), one run after another (``--jobs 1``), first with ``--device cuda``
 (every rank on the one GPU, boundary tensors staged through pinned host memory over gloo), then on the CPU (one
 core per rank).  The time of each run is the harness's own ``elapsed_s`` (start of its ranks to their last
@@ -8,7 +9,8 @@ trace record); both passes run the same code, data and steps, so only the device
     python3 bench/bench_gpu_cpu.py [--case cases/dsv3.yaml] [--out FILE]
 
 Writes a JSON table (runs, seconds per device, cpu/gpu ratio; > 1: the GPU is faster) and prints it.  Needs a
-CUDA device; exits 2 with one line without one.
+CUDA device; exits 2 with one line without one, when a pass runs over --timeout or a run does not finish (nothing
+written then).
 """
 from __future__ import annotations
 
@@ -30,12 +32,24 @@ def _run(case: str, device: str, out: Path, timeout: int) -> dict[str, float]:
     cmd = [sys.executable, "-m", "harness", "verify", case, "--device", device, "--jobs", "1", "--out", str(out)]
     for v in VARIANTS:
         cmd += ["--only", v]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _fail(f"the {device} pass took over --timeout {timeout} s; nothing written")
     summaries = list(out.glob("*/summary.json"))
     if not summaries:
-        sys.exit(f"bench_gpu_cpu: {device}: no summary (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
+        _fail(f"{device}: no summary (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
     summary = json.loads(summaries[0].read_text())
-    return {v["name"]: v["elapsed_s"] for v in summary["variants"]} | {"_verdict_ok": summary["all_pass"]}
+    times = {v["name"]: v["elapsed_s"] for v in summary["variants"]}
+    unfinished = [name for name, t in times.items() if t is None]
+    if unfinished:
+        _fail(f"{device}: {', '.join(unfinished)} did not finish (see `bitparity verify` on its own); nothing written")
+    return times | {"_verdict_ok": summary["all_pass"]}
+
+
+def _fail(line: str) -> None:
+    print(f"bench_gpu_cpu: {line}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main() -> int:
@@ -44,6 +58,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/gpu_cpu.json")
     ap.add_argument("--timeout", type=int, default=280, help="seconds per device pass")
     args = ap.parse_args()
+    if not Path(args.out).parent.is_dir():
+        _fail(f"--out {args.out}: its directory does not exist")
     import torch
     if not torch.cuda.is_available():
         print("bench_gpu_cpu: needs a CUDA device (none found); nothing measured", file=sys.stderr)

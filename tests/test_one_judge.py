@@ -73,7 +73,6 @@ def test_verify_and_compare_agree_on_every_smoke_run(smoke):
     _assert_agree(judged)
 
 
-@pytest.mark.newest_megatron
 @pytest.mark.megatron
 def test_verify_and_compare_agree_on_every_megatron_dsv3_run(tmp_path):
     pytest.importorskip("megatron.core")
