@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ["pp16-vpp2-mtp-with-loss", "pp2-1f1b-mtp-with-loss", "pp1-no-pipelining"]
@@ -47,7 +48,7 @@ def _run(case: str, device: str, out: Path, timeout: int) -> dict[str, float]:
     return times | {"_verdict_ok": summary["all_pass"]}
 
 
-def _fail(line: str) -> None:
+def _fail(line: str) -> NoReturn:
     print(f"bench_gpu_cpu: {line}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -62,8 +63,7 @@ def main() -> int:
         _fail(f"--out {args.out}: its directory does not exist")
     import torch
     if not torch.cuda.is_available():
-        print("bench_gpu_cpu: needs a CUDA device (none found); nothing measured", file=sys.stderr)
-        return 2
+        _fail("needs a CUDA device (none found); nothing measured")
     times, ok = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for device in ("cuda", "cpu"):

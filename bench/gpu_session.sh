@@ -14,6 +14,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "cpus", __import__("os").cpu_count())'
+# where a dsv3-gpu P = 1 step's time goes (one step under the profiler; both the default session and `table`)
+profile_pp1() {
+    echo "== profile: dsv3-gpu pp1, one step"
+    timeout 130 python3 bench/profile_rank.py cases/dsv3-gpu.yaml pp1-no-pipelining --steps 1 --out "$OUT" --rows 30 \
+        > "$OUT/profile_pp1.txt" 2>&1
+    echo "exit $?"; head -c 3000 "$OUT/profile_pp1.txt"
+}
 if [ "${1:-}" = dsv3 ]; then
     shift
     start=$(date +%s)
@@ -31,10 +38,10 @@ fi
 if [ "${1:-}" = table ]; then
     echo "== dsv3: GPU against CPU, side by side"; timeout 570 python3 bench/bench_gpu_cpu.py --out "$OUT/gpu_cpu.json" 2>&1 | tail -8
     echo "== fingerprint benchmark (no sweep)"; timeout 120 python3 bench/bench_fingerprint_gpu.py --no-sweep --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -14
-    echo "== profile: dsv3-gpu pp1, one step"; timeout 130 python3 bench/profile_rank.py cases/dsv3-gpu.yaml pp1-no-pipelining --steps 1 --out "$OUT" --rows 30 > "$OUT/profile_pp1.txt" 2>&1; echo "exit $?"; head -c 2500 "$OUT/profile_pp1.txt"
+    profile_pp1
     exit 0
 fi
 echo "== fingerprint benchmark"; timeout 150 python3 bench/bench_fingerprint_gpu.py --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -45
 echo "== capture inside the rank"; timeout 200 python3 bench/bench_gpu_capture.py --steps 5 --out "$OUT/gpu_capture.json" 2>&1 | tail -8
-echo "== profile: dsv3-gpu pp1, one step"; timeout 130 python3 bench/profile_rank.py cases/dsv3-gpu.yaml pp1-no-pipelining --steps 1 --out "$OUT" --rows 30 > "$OUT/profile_pp1.txt" 2>&1; echo "exit $?"; head -c 3000 "$OUT/profile_pp1.txt"
+profile_pp1
 echo "== fingerprint kernel tests"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fingerprint_gpu.py 2>&1 | tail -3
