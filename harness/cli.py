@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
                         "torchrun per run, rank/world from the environment, local rank r on cuda:r")
     v.add_argument("--jobs", type=int, metavar="N", help="run at most N runs at once (default: as many as this "
                    "machine's cores carry, packed by rank count; 1: one after another)")
+    v.add_argument("--ranks-per-core", type=int, default=1, metavar="N",
+                   help="ranks the packing counts on one CPU core (default 1).  A rank that waits on its pipeline "
+                   "peers sleeps, so on a GPU, where a run's ranks are mostly waiting, 2 packs two 16-rank runs on "
+                   "16 cores (bench/bench_packing.py measures it); on a CPU every busy rank wants its core")
     v.add_argument("--budget", metavar="DURATION", help="time for the command, e.g. 9m, 90s, counted from its "
                    "start: runs are given what is left less the ~6 s stopping one takes and none starts once that "
                    "is spent; runs left undone are errors ('not run' / 'stopped'), the finished ones are compared "
@@ -180,6 +184,8 @@ def _verify(args, argv, started=None) -> int:
     if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):      # also rejects nan
         raise UsageError(f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}")
     _check_jobs(args.jobs)
+    if not 1 <= args.ranks_per_core <= 64:
+        raise UsageError(f"--ranks-per-core {args.ranks_per_core}: expected a number of ranks from 1 to 64")
     deadline = Deadline(args.budget, started)     # an outside limit counts from the command's start
     for flag, value in (("--golden", args.golden), ("--write-golden", args.write_golden)):
         if value is not None and not value.strip():
@@ -221,7 +227,7 @@ def _verify(args, argv, started=None) -> int:
     with _out_errors(args.out):
         result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
                         launcher=args.launcher, evidence_all=args.evidence, goldens=goldens, jobs=args.jobs,
-                        deadline=deadline)
+                        deadline=deadline, ranks_per_core=args.ranks_per_core)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
     cross = result.cross_implementation
     cross_words = f", cross-implementation {cross['verdict']}" if cross else ""

@@ -67,6 +67,8 @@ def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optio
               command: str, lists: list) -> dict:
     t = run.config.training
     step_times = [max(st.time_s.values()) for st in trace.steps] if trace else []
+    # CPU seconds of all ranks per step: with the step's wall time, how many cores the run kept busy
+    step_cpu = [sum(st.cpu_s.values()) if st.cpu_s else None for st in trace.steps] if trace else []
     return {"format": "bitparity-manifest/1", "case": plan.name, "variant": run.spec.name,
             "config": run.config.model_dump(mode="json"),
             "layout": {"text": run.layout.text, "pipeline_model_parallel_size": run.layout.pipeline_model_parallel_size,
@@ -76,7 +78,7 @@ def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optio
             "device": run.config.device, "seed": t.seed, "command": command,
             "trainer": trainers.versions(run.config),
             "data": {"path": t.data.path or "(shipped) trainerkit/text", "sha256": text_sha256(t.data)},
-            "timings": {"elapsed_s": outcome.elapsed_s, "step_time_s": step_times}, "ok": outcome.ok,
+            "timings": {"elapsed_s": outcome.elapsed_s, "step_time_s": step_times, "step_cpu_s": step_cpu}, "ok": outcome.ok,
             "error": outcome.error}
 
 
@@ -130,7 +132,7 @@ def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launch
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
            progress: Callable[[str], None] = print, launcher: str = "fork", evidence_all: bool = False,
            goldens: Optional[golden.GoldenRequest] = None, jobs: Optional[int] = None,
-           deadline: Optional[Deadline] = None) -> CaseResult:
+           deadline: Optional[Deadline] = None, ranks_per_core: int = 1) -> CaseResult:
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``).
 
     deadline (`harness.planning.budget`, ``--budget``): once it is spent no run, repeat, evidence run or cross-implementation
@@ -138,7 +140,8 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     ``error`` (``not run: ...`` / ``stopped: ...``), every finished run is compared and reported as usual.
 
     jobs: how many runs may go at once (`harness.running.pool.run_packed`: packed by rank count into this process's CPU
-    cores); None: as many as fit, 1: one after another.
+    cores); None: as many as fit, 1: one after another.  ranks_per_core: how many ranks the packing puts on one
+    core (its budget is the cores times this; bitwise, packing moves no bit: `harness.running.pool`).
 
     ULP evidence (`harness.running.evidence`) is collected for every failing variant whose first divergence is a
     gradient or parameter, and with `evidence_all` also for variants that diverge as expected.  `goldens`:
@@ -153,7 +156,8 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     # the partial directory is removed and the lock released on every exit, a crash included
     with outdir.workspace(out_root, plan.name) as (work, final):
         return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
-                       goldens, jobs or pool.cores(), deadline or Deadline(None))
+                       goldens, jobs or pool.cores() * ranks_per_core, deadline or Deadline(None),
+                       pool.cores() * ranks_per_core)
 
 
 def _layout_words(cfg) -> str:
@@ -166,7 +170,7 @@ def _layout_words(cfg) -> str:
 
 
 def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,  # noqa: C901 (next: run, judge and report phases apart)
-            goldens, jobs, deadline) -> CaseResult:
+            goldens, jobs, deadline, slots) -> CaseResult:
     env = environment()
     timeout = timeout_s or plan.spec.timeout_s
     traces, outcomes, repeats = {}, {}, {}
@@ -236,7 +240,7 @@ def _verify(plan, out_root, command, timeout_s, progress, launcher, start, final
 
     # a run that resumes from another's checkpoint starts after every run that saves one
     for phase in ([r for r in plan.runs if not r.spec.resume], [r for r in plan.runs if r.spec.resume]):
-        done = pool.run_packed(phase, lambda r: r.config.parallel.world_size, execute, pool.cores(), jobs)
+        done = pool.run_packed(phase, lambda r: r.config.parallel.world_size, execute, slots, jobs)
         for run, (trace, outcome, repeat) in zip(phase, done):
             traces[run.spec.name], outcomes[run.spec.name] = trace, outcome
             if repeat is not None:

@@ -106,17 +106,20 @@ class StepTiming:
     """What `CaptureClock.end_step` measured of one step; `fields` gives the step record's timing fields."""
 
     host_s: float
+    cpu_s: float = 0.0
     start: "Optional[torch.cuda.Event]" = None
     end: "Optional[torch.cuda.Event]" = None
     spans: list = field(default_factory=list)
 
     def fields(self) -> dict:
-        """``capture_s`` (host seconds inside the capture calls); on CUDA also ``step_device_s`` (device seconds
+        """``capture_s`` (host seconds inside the capture calls), ``cpu_s`` (CPU seconds this rank's process used over
+        the step, every thread: ``time.process_time``; a rank that waits on a peer or the device without spinning
+        uses less than its wall time); on CUDA also ``step_device_s`` (device seconds
         from the step's first event to its last, capture included) and ``capture_device_s`` (device seconds
         between each capture call's two events, summed: the fingerprint kernels, at the position in the stream
         where the loop queued them).  Waits for the step's last event (call it where the loop waits anyway, or
         in a writer thread)."""
-        out = {"capture_s": self.host_s}
+        out = {"capture_s": self.host_s, "cpu_s": self.cpu_s}
         if self.start is not None and self.end is not None:
             self.end.synchronize()
             out["step_device_s"] = self.start.elapsed_time(self.end) / 1e3
@@ -134,7 +137,7 @@ class CaptureClock:
     Usage: ``begin_step()``; ``with capture(): ...`` around each capture call; ``end_step()`` -> `StepTiming`."""
 
     def __init__(self) -> None:
-        self._host, self._start, self._spans = 0.0, None, []
+        self._host, self._start, self._spans, self._cpu0 = 0.0, None, [], time.process_time()
 
     @staticmethod
     def _event():
@@ -147,6 +150,7 @@ class CaptureClock:
     def begin_step(self) -> None:
         """Start a step: reset the sums, record the step's first event."""
         self._host, self._spans, self._start = 0.0, [], self._event()
+        self._cpu0 = time.process_time()
 
     @contextmanager
     def capture(self):
@@ -166,7 +170,7 @@ class CaptureClock:
 
     def end_step(self) -> StepTiming:
         """Record the step's last event; the `StepTiming` resolves the device times later (`StepTiming.fields`)."""
-        return StepTiming(self._host, self._start, self._event(), list(self._spans))
+        return StepTiming(self._host, time.process_time() - self._cpu0, self._start, self._event(), list(self._spans))
 
 
 class CaptureError(RuntimeError):

@@ -57,7 +57,7 @@ FORMAT = "bitparity-golden/2"
 KEY_FIELDS = ("torch", "python", "machine", "aten_cpu_capability", "mkl_cbwr", "blas", "blas_version", "gpu", "cuda",
               "cublas", "device", "params_dtype", "num_threads")
 #: StepTrace fields that are not bits of the computation (or are not captured by every run).
-_VOLATILE = ("time_s", "activations", "boundaries", "router_ties", "actions", "overlap")
+_VOLATILE = ("time_s", "cpu_s", "activations", "boundaries", "router_ties", "actions", "overlap")
 #: Trace fields that describe the layout, not the computation: taken from the run being checked.
 _PER_RUN = ("world_size", "expert_model_parallel_size", "data_parallel_size", "tensor_model_parallel_size", "resumed")
 _FILE = re.compile(r"^runs/[A-Za-z0-9][A-Za-z0-9._-]{0,150}\.json$")

@@ -110,7 +110,8 @@ class ExpertParallel:
         return out.to(x.device)
 
 
-def _size(ep: Optional[ExpertParallel]) -> int:
+def ep_size(ep: Optional[ExpertParallel]) -> int:
+    """The EP group's size; None is EP = 1."""
     return 1 if ep is None else ep.size
 
 
@@ -205,18 +206,18 @@ class PermuteRows(torch.autograd.Function):
 
 def take_shard(x: torch.Tensor, ep: Optional[ExpertParallel]) -> torch.Tensor:
     """`TakeShard`, or `x` itself when EP = 1."""
-    return x if _size(ep) == 1 else TakeShard.apply(x, ep)
+    return x if ep_size(ep) == 1 else TakeShard.apply(x, ep)
 
 
 def gather_shards(x: torch.Tensor, ep: Optional[ExpertParallel]) -> torch.Tensor:
     """`GatherShards`, or `x` itself when EP = 1."""
-    return x if _size(ep) == 1 else GatherShards.apply(x, ep)
+    return x if ep_size(ep) == 1 else GatherShards.apply(x, ep)
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                ep: Optional[ExpertParallel]) -> torch.Tensor:
     """`AllToAll`, or `x` itself when EP = 1."""
-    return x if _size(ep) == 1 else AllToAll.apply(x, out_splits, in_splits, ep)
+    return x if ep_size(ep) == 1 else AllToAll.apply(x, out_splits, in_splits, ep)
 
 
 @dataclass
@@ -231,6 +232,10 @@ class DispatchPlan:
     EP rank (its experts' share of ``counts[rank]``); ``out_splits``: rows this rank receives from each EP
     rank; ``local_counts`` [EP][E/EP]: rows from source i for local expert j (``num_global_tokens_per_local_expert``);
     ``shuffle_sources``: the planted fault ``ep_unsorted_dispatch`` (only ever True with EP > 1).
+
+    With EP = 1 the splits are the one shard's T*K rows, known without the counts, and ``local_counts`` is read from
+    the device only when something asks for it: the grouped experts take their group offsets from ``counts`` on
+    the device (`grouped.swiglu`), so an EP = 1 MoE layer never waits for the device (on CUDA).
     """
 
     order: torch.Tensor
@@ -238,8 +243,15 @@ class DispatchPlan:
     counts: torch.Tensor
     in_splits: list
     out_splits: list
-    local_counts: list
     shuffle_sources: bool = False
+    _local: Optional[list] = None
+
+    @property
+    def local_counts(self) -> list:
+        """[EP][E/EP] host integers (see the class); with EP = 1 read from ``counts`` on first use."""
+        if self._local is None:
+            self._local = self.counts.tolist()
+        return self._local
 
 
 def id_mask(index: torch.Tensor, num_ids: int) -> torch.Tensor:
@@ -267,21 +279,23 @@ def plan_dispatch(index: torch.Tensor, num_experts: int, ep: Optional[ExpertPara
     ``shuffle_sources`` is the planted fault ``ep_unsorted_dispatch`` (reference_impl.faults): the
     received chunks are ordered by source in reverse, which breaks the per-expert token order when EP > 1.
     """
-    size, rank = _size(ep), (0 if ep is None else ep.rank)
+    size, rank = ep_size(ep), (0 if ep is None else ep.rank)
     t, k = index.shape
     n = t // size
     per_src = index.reshape(size, n * k)
     counts = expert_counts(per_src, num_experts)                                               # [EP, E]
     order = torch.argsort(per_src[rank], stable=True)
     el = num_experts // size
+    if size == 1:       # nothing to exchange: no split size is needed on the host
+        return DispatchPlan(order=order, inverse=torch.argsort(order), counts=counts, in_splits=[n * k],
+                            out_splits=[n * k])
     # the split sizes are host integers (tensor.split, all_to_all): one device-to-host read of the [EP, E]
     # counts, the rest is integer arithmetic on the host (on CUDA each read is a wait for the device)
     host = counts.tolist()
     local = [row[rank * el:(rank + 1) * el] for row in host]                                  # [EP][El]
     return DispatchPlan(order=order, inverse=torch.argsort(order), counts=counts,
                         in_splits=[sum(host[rank][j * el:(j + 1) * el]) for j in range(size)],
-                        out_splits=[sum(row) for row in local], local_counts=local,
-                        shuffle_sources=shuffle_sources and size > 1)
+                        out_splits=[sum(row) for row in local], shuffle_sources=shuffle_sources, _local=local)
 
 
 def sort_chunks(received: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list]:

@@ -37,31 +37,32 @@ def use_grouped(x: torch.Tensor, experts: list) -> bool:
     return all(d * size % 16 == 0 for d in (*fc1.shape, *fc2.shape))
 
 
-def swiglu(x: torch.Tensor, counts: list, experts: list) -> torch.Tensor:
+def swiglu(x: torch.Tensor, counts, experts: list) -> torch.Tensor:
     """Each expert's SwiGLU MLP (`common.SwiGLUMLP`) on its rows: x [T, h] holds the experts' rows one after the
-    other (`counts[j]` rows for ``experts[j]``, zeros allowed); returns [T, h] in the same row order.  Grouped
-    where `use_grouped`, else the per-expert loop (the same bits)."""
+    other (`counts[j]` rows for ``experts[j]``, zeros allowed); returns [T, h] in the same row order.  `counts`:
+    host integers (a list) or an int64 tensor [E] on x's device (EP = 1: the dispatch plan's counts, never read to
+    the host on the grouped path).  Grouped where `use_grouped`, else the per-expert loop (the same bits)."""
     if not use_grouped(x, experts):
-        return torch.cat([e(rows) for e, rows in zip(experts, x.split(counts))])
-    h = _linear(x, counts, [e.linear_fc1.weight for e in experts])
+        sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+        return torch.cat([e(rows) for e, rows in zip(experts, x.split(sizes))])
+    # the group offsets (cumulative row counts, int32) once for both products; from a device tensor no host read
+    sizes = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, dtype=torch.int64)
+    offs = sizes.cumsum(0).to(device=x.device, dtype=torch.int32)
+    h = _GroupedLinearFn.apply(x, offs, *[e.linear_fc1.weight for e in experts])
     gate, up = h.chunk(2, dim=-1)           # elementwise from here: the same bits as per expert
-    return _linear(F.silu(gate) * up, counts, [e.linear_fc2.weight for e in experts])
-
-
-def _linear(x: torch.Tensor, counts: list, weights: list) -> torch.Tensor:
-    return _GroupedLinearFn.apply(x, tuple(counts), *weights)
+    return _GroupedLinearFn.apply(F.silu(gate) * up, offs, *[e.linear_fc2.weight for e in experts])
 
 
 class _GroupedLinearFn(torch.autograd.Function):
-    """y[rows of j] = x[rows of j] W_j^T.  x [T, in], counts (rows per weight, summing to T), W_j [out, in] ->
-    y [T, out]; backward dx = g W_j per group, dW_j = g_j^T x_j (or stashed per weight, `linear.delayed_wgrad`)."""
+    """y[rows of j] = x[rows of j] W_j^T.  x [T, in], offs [E] int32 (cumulative rows per weight, the last = T, on
+    x's device), W_j [out, in] -> y [T, out]; backward dx = g W_j per group, dW_j = g_j^T x_j (or stashed per
+    weight, `linear.delayed_wgrad`: the one place that needs the group sizes on the host)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: tuple, *weights: torch.Tensor):
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, *weights: torch.Tensor):
         stacked = torch.stack(weights)                                     # [E, out, in]
         ctx.save_for_backward(x, stacked, offs)
-        ctx.counts, ctx.weights = counts, weights
+        ctx.weights = weights
         return torch._grouped_mm(x, stacked.transpose(1, 2), offs=offs)
 
     @staticmethod
@@ -72,7 +73,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         if not any(ctx.needs_input_grad[2:]):
             return (dx, None) + (None,) * len(ctx.weights)
         if linear._COLLECTOR is not None:   # delay_wgrad_compute: one stash per weight, as the loop's Linear
-            linear._COLLECTOR.extend(zip(ctx.weights, x.split(ctx.counts), g.split(ctx.counts)))
+            sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+            linear._COLLECTOR.extend(zip(ctx.weights, x.split(sizes), g.split(sizes)))
             return (dx, None) + (None,) * len(ctx.weights)
         dw = torch._grouped_mm(g.t(), x, offs=offs)                        # [E, out, in]
         return (dx, None) + tuple(dw.unbind(0))

@@ -22,6 +22,7 @@ from .expert_parallel import (
     PermuteRows,
     RepeatRows,
     all_to_all,
+    ep_size,
     expert_counts,
     gather_shards,
     id_mask,
@@ -233,10 +234,16 @@ class MoELayer(nn.Module):
     def experts_compute(self, st: dict) -> None:
         """``moe.permuted`` -> ``moe.expert_out`` (same rows, same order): each local expert on its rows, source
         0's then source 1's ... (= EP 1's rows in EP 1's order), all local experts in grouped matrix products
-        (`grouped.swiglu`: the bits of one expert at a time)."""
+        (`grouped.swiglu`: the bits of one expert at a time).  EP = 1: the permuted rows as they are, the group
+        sizes from the plan's device counts (no host read)."""
         plan = st["moe.meta"][2]
+        if ep_size(self.ep) == 1:
+            # one source: the rows are already in expert order and the counts stay on the device
+            experts = [self.experts[str(e)] for e in range(self.cfg.num_moe_experts)]
+            st["moe.expert_out"] = grouped.swiglu(st.pop("moe.permuted"), plan.counts[0], experts)
+            return
         rows, counts = sort_chunks(st.pop("moe.permuted"), plan)
-        first = 0 if self.ep is None else self.ep.local_experts(self.cfg.num_moe_experts).start
+        first = self.ep.local_experts(self.cfg.num_moe_experts).start
         out = grouped.swiglu(rows, counts, [self.experts[str(first + j)] for j in range(len(counts))])
         st["moe.expert_out"] = unsort_chunks(out.split(counts), plan)
 

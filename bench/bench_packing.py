@@ -1,0 +1,144 @@
+"""How many ranks one CPU core carries when a case's ranks share one GPU: the same runs packed 1, 2, 4 ranks per core,
+with and without an MPS daemon, side by side in one process.
+
+Issue #38 item 3: on the one-GPU machine every pipeline rank is a process with its own CUDA context; the pool
+(`harness.running.pool`) counts a rank as one core, so a 16-rank run has the 16-core machine to itself.  A rank that
+waits on a pipeline peer sleeps in gloo, so whether two 16-rank runs at once finish sooner than one after another
+depends on how busy the ranks really are (the traces' ``cpu_s`` against the step's wall time: the cores the runs kept
+busy) and on how the GPU time-slices the contexts (MPS serves every process through one context).
+
+For each setting: ``bitparity verify CASE --only ... --ranks-per-core N`` (the baseline and the named variants), its
+wall time, every run's ``elapsed_s``, the busy cores (all ranks' CPU seconds over the steps / the steps' wall time,
+summed over the runs' step spans) and the verdicts.
+
+    python3 bench/bench_packing.py [--case cases/dsv3-gpu.yaml] [--only RUN ...] [--settings 1,2,4] [--mps]
+            [--out FILE] [--timeout S]
+
+Writes a JSON table and prints it.  Exits 2 with one line (nothing written) when a setting runs over --timeout or
+leaves no summary; a setting whose runs fail is reported with its verdicts, not hidden.  MPS: started with
+``nvidia-cuda-mps-control -d`` in a private pipe directory, stopped after its settings; where the tool is missing or
+does not start, the MPS rows say why.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NoReturn, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+P16 = ["pp16-vpp2-mtp-with-loss", "canonical/pp16-vpp2-mtp-standalone", "canonical/pp16-vpp2-mtp-with-loss"]
+
+
+def _fail(line: str) -> NoReturn:
+    print(f"bench_packing: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _setting(case: str, only: list[str], ranks_per_core: int, env: dict, out: Path, timeout: int) -> dict:
+    """One verify of the runs at `ranks_per_core`; its wall time, per-run seconds and busy cores."""
+    cmd = [sys.executable, "-m", "harness", "verify", case, "--out", str(out), "--ranks-per-core", str(ranks_per_core)]
+    for name in only:
+        cmd += ["--only", name]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _fail(f"--ranks-per-core {ranks_per_core} took over --timeout {timeout} s; nothing written")
+    wall = time.monotonic() - start
+    summaries = list(out.glob("*/summary.json"))
+    if not summaries:
+        _fail(f"--ranks-per-core {ranks_per_core}: no summary (exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
+    summary = json.loads(summaries[0].read_text())
+    cpu = steps = 0.0
+    for manifest in summaries[0].parent.glob("runs/*/manifest.json"):
+        timings = json.loads(manifest.read_text())["timings"]
+        for wall_s, cpu_s in zip(timings["step_time_s"], timings.get("step_cpu_s", [])):
+            if cpu_s is not None:
+                cpu, steps = cpu + cpu_s, steps + wall_s
+    return {"ranks_per_core": ranks_per_core, "wall_s": round(wall, 1), "all_pass": summary["all_pass"],
+            "runs": {v["name"]: v["elapsed_s"] and round(v["elapsed_s"], 2) for v in summary["variants"]},
+            "busy_cores_in_steps": round(cpu / steps, 2) if steps else None}
+
+
+def _start_mps(tmp: Path) -> tuple[Optional[dict], str]:
+    """(the environment that reaches the daemon, '') or (None, why not)."""
+    tool = shutil.which("nvidia-cuda-mps-control")
+    if tool is None:
+        return None, "nvidia-cuda-mps-control is not on this machine"
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(tmp / "mps-pipe"), CUDA_MPS_LOG_DIRECTORY=str(tmp / "mps-log"))
+    for d in ("mps-pipe", "mps-log"):
+        (tmp / d).mkdir()
+    proc = subprocess.run([tool, "-d"], env=env, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        return None, f"nvidia-cuda-mps-control -d exited {proc.returncode}: {proc.stderr.strip()[-200:]}"
+    probe = subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1, device='cuda').sum().item()"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        _stop_mps(env)
+        return None, f"a CUDA client did not start under MPS: {probe.stderr.strip()[-200:]}"
+    return env, ""
+
+
+def _stop_mps(env: dict) -> None:
+    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=env, capture_output=True, text=True, timeout=60)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", default="cases/dsv3-gpu.yaml")
+    ap.add_argument("--only", action="append", help=f"variant to run beside the baseline (default: {', '.join(P16)})")
+    ap.add_argument("--settings", default="1,2,4", help="ranks per core, comma separated (default 1,2,4)")
+    ap.add_argument("--mps", action="store_true", help="also every setting under an MPS daemon")
+    ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/packing.json")
+    ap.add_argument("--timeout", type=int, default=200, help="seconds per setting (default 200)")
+    args = ap.parse_args()
+    try:
+        settings = [int(x) for x in args.settings.split(",")]
+    except ValueError:
+        _fail(f"--settings {args.settings!r}: expected ranks per core as integers, e.g. 1,2,4")
+    if not settings or any(not 1 <= n <= 64 for n in settings):
+        _fail(f"--settings {args.settings!r}: each must be from 1 to 64")
+    if not Path(args.out).parent.is_dir():
+        _fail(f"--out {args.out}: its directory does not exist")
+    only = args.only or P16
+    rows, mps_note = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in settings:
+            rows.append({"mps": False, **_setting(args.case, only, n, dict(os.environ), Path(tmp) / f"plain{n}",
+                                                  args.timeout)})
+            print(json.dumps(rows[-1]), flush=True)
+        if args.mps:
+            env, mps_note = _start_mps(Path(tmp))
+            if env is not None:
+                try:
+                    for n in settings:
+                        rows.append({"mps": True, **_setting(args.case, only, n, env, Path(tmp) / f"mps{n}",
+                                                             args.timeout)})
+                        print(json.dumps(rows[-1]), flush=True)
+                finally:
+                    _stop_mps(env)
+    import torch
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "case": args.case, "runs": ["(baseline)", *only], "cpu_cores": len(os.sched_getaffinity(0)),
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+              "torch": torch.__version__, "mps_unavailable": mps_note or None, "settings": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'mps':>4s} {'ranks/core':>10s} {'wall s':>8s} {'busy cores':>10s}  verdicts")
+    for r in rows:
+        print(f"{str(r['mps']):>4s} {r['ranks_per_core']:10d} {r['wall_s']:8.1f} {r['busy_cores_in_steps'] or 0:10.2f}  "
+              f"{'pass' if r['all_pass'] else 'FAIL'}")
+    if mps_note:
+        print(f"MPS: {mps_note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
