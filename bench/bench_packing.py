@@ -15,9 +15,9 @@ summed over the runs' step spans) and the verdicts.
             [--out FILE] [--timeout S]
 
 Writes a JSON table and prints it.  Exits 2 with one line (nothing written) when a setting runs over --timeout or
-leaves no summary; a setting whose runs fail is reported with its verdicts, not hidden.  MPS: started with
-``nvidia-cuda-mps-control -d`` in a private pipe directory, stopped after its settings; where the tool is missing or
-does not start, the MPS rows say why.
+leaves no summary; a setting whose runs fail is reported with its verdicts and errors, not hidden.  ``--mps``: every
+setting again under ``bitparity verify --mps`` (`harness.running.mps`); where verify refuses it (no MPS here), the
+table says why.  Every run's trace is compared with the same run's in the first setting (``bits_as_first_setting``).
 """
 from __future__ import annotations
 
@@ -25,15 +25,18 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from harness.judging.compare import compare  # noqa: E402  (the repo root first)
+from harness.judging.trace import Trace  # noqa: E402
+
 P16 = ["pp16-vpp2-mtp-with-loss", "canonical/pp16-vpp2-mtp-standalone", "canonical/pp16-vpp2-mtp-with-loss"]
 
 
@@ -42,53 +45,41 @@ def _fail(line: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def _setting(case: str, only: list[str], ranks_per_core: int, env: dict, out: Path, timeout: int) -> dict:
-    """One verify of the runs at `ranks_per_core`; its wall time, per-run seconds and busy cores."""
+def _setting(case: str, only: list[str], ranks_per_core: int, mps: bool, out: Path, timeout: int) -> dict:
+    """One verify of the runs at `ranks_per_core` (under `--mps`): its wall time, per-run seconds, busy cores and
+    the runs' traces (``_traces``, run name -> `Trace`, for the bits check); ``{"refused": line}`` where verify
+    refuses `--mps` (exit 2: no MPS on this machine)."""
     cmd = [sys.executable, "-m", "harness", "verify", case, "--out", str(out), "--ranks-per-core", str(ranks_per_core)]
     for name in only:
         cmd += ["--only", name]
     start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd + (["--mps"] if mps else []), cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
-        _fail(f"--ranks-per-core {ranks_per_core} took over --timeout {timeout} s; nothing written")
+        _fail(f"--ranks-per-core {ranks_per_core}{' --mps' if mps else ''} took over --timeout {timeout} s; "
+              "nothing written")
     wall = time.monotonic() - start
+    if mps and proc.returncode == 2 and "--mps:" in proc.stderr:
+        return {"refused": proc.stderr.strip().splitlines()[-1]}
     summaries = list(out.glob("*/summary.json"))
     if not summaries:
         _fail(f"--ranks-per-core {ranks_per_core}: no summary (exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
     summary = json.loads(summaries[0].read_text())
     cpu = steps = 0.0
-    for manifest in summaries[0].parent.glob("runs/*/manifest.json"):
-        timings = json.loads(manifest.read_text())["timings"]
+    traces = {}
+    for v in summary["variants"]:
+        run_dir = summaries[0].parent / Path(v["detail_page"]).parent
+        if (run_dir / "trace.json").exists():
+            traces[v["name"]] = Trace.load(run_dir / "trace.json")
+        timings = json.loads((run_dir / "manifest.json").read_text())["timings"]
         for wall_s, cpu_s in zip(timings["step_time_s"], timings.get("step_cpu_s", [])):
             if cpu_s is not None:
                 cpu, steps = cpu + cpu_s, steps + wall_s
-    return {"ranks_per_core": ranks_per_core, "wall_s": round(wall, 1), "all_pass": summary["all_pass"],
+    return {"ranks_per_core": ranks_per_core, "mps": mps, "wall_s": round(wall, 1), "all_pass": summary["all_pass"],
             "runs": {v["name"]: v["elapsed_s"] and round(v["elapsed_s"], 2) for v in summary["variants"]},
-            "busy_cores_in_steps": round(cpu / steps, 2) if steps else None}
-
-
-def _start_mps(tmp: Path) -> tuple[Optional[dict], str]:
-    """(the environment that reaches the daemon, '') or (None, why not)."""
-    tool = shutil.which("nvidia-cuda-mps-control")
-    if tool is None:
-        return None, "nvidia-cuda-mps-control is not on this machine"
-    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(tmp / "mps-pipe"), CUDA_MPS_LOG_DIRECTORY=str(tmp / "mps-log"))
-    for d in ("mps-pipe", "mps-log"):
-        (tmp / d).mkdir()
-    proc = subprocess.run([tool, "-d"], env=env, capture_output=True, text=True, timeout=30)
-    if proc.returncode != 0:
-        return None, f"nvidia-cuda-mps-control -d exited {proc.returncode}: {proc.stderr.strip()[-200:]}"
-    probe = subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1, device='cuda').sum().item()"],
-                           env=env, capture_output=True, text=True, timeout=120)
-    if probe.returncode != 0:
-        _stop_mps(env)
-        return None, f"a CUDA client did not start under MPS: {probe.stderr.strip()[-200:]}"
-    return env, ""
-
-
-def _stop_mps(env: dict) -> None:
-    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=env, capture_output=True, text=True, timeout=60)
+            "errors": {v["name"]: v["reason"] for v in summary["variants"] if v["verdict"] == "error"},
+            "busy_cores_in_steps": round(cpu / steps, 2) if steps else None, "_traces": traces}
 
 
 def main() -> int:
@@ -109,32 +100,32 @@ def main() -> int:
     if not Path(args.out).parent.is_dir():
         _fail(f"--out {args.out}: its directory does not exist")
     only = args.only or P16
-    rows, mps_note = [], None
+    rows, mps_note, first = [], None, None
     with tempfile.TemporaryDirectory() as tmp:
-        for n in settings:
-            rows.append({"mps": False, **_setting(args.case, only, n, dict(os.environ), Path(tmp) / f"plain{n}",
-                                                  args.timeout)})
-            print(json.dumps(rows[-1]), flush=True)
-        if args.mps:
-            env, mps_note = _start_mps(Path(tmp))
-            if env is not None:
-                try:
-                    for n in settings:
-                        rows.append({"mps": True, **_setting(args.case, only, n, env, Path(tmp) / f"mps{n}",
-                                                             args.timeout)})
-                        print(json.dumps(rows[-1]), flush=True)
-                finally:
-                    _stop_mps(env)
+        for mps in ([False, True] if args.mps else [False]):
+            for n in settings:
+                row = _setting(args.case, only, n, mps, Path(tmp) / f"{'mps' if mps else 'plain'}{n}", args.timeout)
+                if "refused" in row:
+                    mps_note = row["refused"]
+                    break
+                traces = row.pop("_traces")
+                first = first or traces
+                # the same run in every setting must carry the same bits: packing and MPS move none
+                row["bits_as_first_setting"] = {name: compare(first[name], t).bitwise_equal
+                                                for name, t in traces.items() if name in first}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     import torch
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "case": args.case, "runs": ["(baseline)", *only], "cpu_cores": len(os.sched_getaffinity(0)),
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
               "torch": torch.__version__, "mps_unavailable": mps_note or None, "settings": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'mps':>4s} {'ranks/core':>10s} {'wall s':>8s} {'busy cores':>10s}  verdicts")
+    print(f"{'mps':>4s} {'ranks/core':>10s} {'wall s':>8s} {'busy cores':>10s}  verdicts  bits as the first setting")
     for r in rows:
+        same = all(r["bits_as_first_setting"].values())
         print(f"{str(r['mps']):>4s} {r['ranks_per_core']:10d} {r['wall_s']:8.1f} {r['busy_cores_in_steps'] or 0:10.2f}  "
-              f"{'pass' if r['all_pass'] else 'FAIL'}")
+              f"{'pass' if r['all_pass'] else 'FAIL':8s}  {'equal' if same else 'DIFFER'}")
     if mps_note:
         print(f"MPS: {mps_note}")
     return 0

@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks the packing counts on one CPU core (default 1).  A rank that waits on its pipeline "
                    "peers sleeps, so on a GPU, where a run's ranks are mostly waiting, 2 packs two 16-rank runs on "
                    "16 cores (bench/bench_packing.py measures it); on a CPU every busy rank wants its core")
+    v.add_argument("--mps", action="store_true",
+                   help="cuda: run the ranks through a private MPS daemon (nvidia-cuda-mps-control), so ranks sharing "
+                   "a GPU run their kernels side by side instead of time-slicing it; at most 48 ranks at once")
     v.add_argument("--budget", metavar="DURATION", help="time for the command, e.g. 9m, 90s, counted from its "
                    "start: runs are given what is left less the ~6 s stopping one takes and none starts once that "
                    "is spent; runs left undone are errors ('not run' / 'stopped'), the finished ones are compared "
@@ -227,7 +230,7 @@ def _verify(args, argv, started=None) -> int:
     with _out_errors(args.out):
         result = verify(plan, Path(args.out), command="bitparity " + shlex.join(argv), timeout_s=args.timeout,
                         launcher=args.launcher, evidence_all=args.evidence, goldens=goldens, jobs=args.jobs,
-                        deadline=deadline, ranks_per_core=args.ranks_per_core)
+                        deadline=deadline, ranks_per_core=args.ranks_per_core, mps=args.mps)
     n_pass = sum(v.verdict == "pass" for v in result.variants)
     cross = result.cross_implementation
     cross_words = f", cross-implementation {cross['verdict']}" if cross else ""

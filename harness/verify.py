@@ -12,6 +12,7 @@ import json
 import re
 import shlex
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
@@ -20,6 +21,7 @@ from trainerkit.config import CheckpointConfig
 from trainerkit.data import text_sha256
 from trainerkit.schedule import build_schedule, serialise, timeline
 
+from .errors import UsageError
 from .judging import agreement, crossimpl, golden, signature
 from .judging.compare import Comparison, compare, replica_status
 from .judging.judge import Evidence, Expectation, bugs_elsewhere, comparison_record, decide, judge_cross_implementation
@@ -31,6 +33,7 @@ from .planning.budget import Deadline
 from .planning.cases import CasePlan, PlannedRun
 from .report import write_report
 from .report.words import megatron_source_words
+from .running import mps as mps_daemon
 from .running import outdir, pool
 from .running.arithmetic import environment
 from .running.evidence import collect as collect_evidence
@@ -68,7 +71,8 @@ def _manifest(plan: CasePlan, run: PlannedRun, outcome: RunOutcome, trace: Optio
     t = run.config.training
     step_times = [max(st.time_s.values()) for st in trace.steps] if trace else []
     # CPU seconds of all ranks per step: with the step's wall time, how many cores the run kept busy
-    step_cpu = [sum(st.cpu_s.values()) if st.cpu_s else None for st in trace.steps] if trace else []
+    step_cpu = [None if None in st.cpu_s.values() or not st.cpu_s else sum(st.cpu_s.values())
+                for st in trace.steps] if trace else []
     return {"format": "bitparity-manifest/1", "case": plan.name, "variant": run.spec.name,
             "config": run.config.model_dump(mode="json"),
             "layout": {"text": run.layout.text, "pipeline_model_parallel_size": run.layout.pipeline_model_parallel_size,
@@ -132,7 +136,7 @@ def _repeat(run: PlannedRun, first: Trace, run_dir: Path, timeout: float, launch
 def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[float] = None,
            progress: Callable[[str], None] = print, launcher: str = "fork", evidence_all: bool = False,
            goldens: Optional[golden.GoldenRequest] = None, jobs: Optional[int] = None,
-           deadline: Optional[Deadline] = None, ranks_per_core: int = 1) -> CaseResult:
+           deadline: Optional[Deadline] = None, ranks_per_core: int = 1, mps: bool = False) -> CaseResult:
     """Run, compare and report a planned case; returns the `CaseResult` (report written to ``out_root/<case>``).
 
     deadline (`harness.planning.budget`, ``--budget``): once it is spent no run, repeat, evidence run or cross-implementation
@@ -141,23 +145,39 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
 
     jobs: how many runs may go at once (`harness.running.pool.run_packed`: packed by rank count into this process's CPU
     cores); None: as many as fit, 1: one after another.  ranks_per_core: how many ranks the packing puts on one
-    core (its budget is the cores times this; bitwise, packing moves no bit: `harness.running.pool`).
+    core (its budget is the cores times this; bitwise, packing moves no bit: `harness.running.pool`).  mps: the
+    runs' ranks go through a private MPS daemon (`harness.running.mps`; CUDA runs only), at most
+    ``mps.CLIENTS_PER_GPU`` ranks at once.
 
     ULP evidence (`harness.running.evidence`) is collected for every failing variant whose first divergence is a
     gradient or parameter, and with `evidence_all` also for variants that diverge as expected.  `goldens`:
     compare every run with its golden trace, or record them (`harness.judging.golden`).
 
     Raises:
-        UsageError: before anything runs or is written: --out is not a directory, ``out_root/<case>`` (or its
+        UsageError: before anything runs or is written: `mps` with a run not on CUDA or larger than MPS serves, or
+            the MPS daemon does not start; --out is not a directory, ``out_root/<case>`` (or its
             partial directory) exists but was not written by bitparity, or another `bitparity verify` is
             writing the same case there (`harness.running.outdir`).
     """
     start = time.monotonic()
-    # the partial directory is removed and the lock released on every exit, a crash included
-    with outdir.workspace(out_root, plan.name) as (work, final):
+    slots = pool.cores() * ranks_per_core
+    if mps:
+        _check_mps(plan)
+        slots = min(slots, mps_daemon.CLIENTS_PER_GPU)
+    # the partial directory is removed and the lock released on every exit, a crash included; the MPS daemon
+    # starts before the forkserver, whose ranks inherit its pipe directory
+    with (mps_daemon.daemon() if mps else nullcontext()), outdir.workspace(out_root, plan.name) as (work, final):
         return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
-                       goldens, jobs or pool.cores() * ranks_per_core, deadline or Deadline(None),
-                       pool.cores() * ranks_per_core)
+                       goldens, jobs or slots, deadline or Deadline(None), slots)
+
+
+def _check_mps(plan: CasePlan) -> None:
+    for r in plan.runs:
+        if r.config.device != "cuda":
+            raise UsageError(f"--mps: run {r.spec.name!r} is on the {r.config.device}; MPS serves CUDA runs only")
+        if r.config.parallel.world_size > mps_daemon.CLIENTS_PER_GPU:
+            raise UsageError(f"--mps: run {r.spec.name!r} has {r.config.parallel.world_size} ranks; one MPS server "
+                             f"takes at most {mps_daemon.CLIENTS_PER_GPU} clients")
 
 
 def _layout_words(cfg) -> str:

@@ -99,9 +99,12 @@ def test_rank_capture_writes_the_trace_format(tmp_path):
 
 def test_capture_clock_counts_only_what_runs_inside_capture(monkeypatch):
     """Host seconds inside ``capture()`` are summed per step and nothing outside is; on a process without CUDA
-    there are no device fields (no event was recorded).  A fake clock makes the sums exact."""
+    there are no device fields (no event was recorded).  ``cpu_s`` is the process CPU time from `begin_step` to
+    `end_step`.  Fake clocks make the sums exact."""
     ticks = iter(range(100))
     monkeypatch.setattr("trainerkit.capture.time.perf_counter", lambda: float(next(ticks)))
+    cpu = iter([0.0, 10.0, 10.5, 20.0])          # construction, begin_step, end_step, the second begin_step
+    monkeypatch.setattr("trainerkit.capture.time.process_time", lambda: next(cpu))
     clock = CaptureClock()
     clock.begin_step()
     with clock.capture():              # 0 -> 1
@@ -112,7 +115,7 @@ def test_capture_clock_counts_only_what_runs_inside_capture(monkeypatch):
     timing = clock.end_step()
     assert clock.host_s == 2.0
     if not torch.cuda.is_initialized():
-        assert timing.fields() == {"capture_s": 2.0}
+        assert timing.fields() == {"capture_s": 2.0, "cpu_s": 0.5}
     clock.begin_step()
     assert clock.host_s == 0.0
 

@@ -23,6 +23,7 @@ from conftest import run_cli
 from test_cli_errors import _check_usage_error
 
 from harness.judging.trace import TraceError, merge
+from reference_impl.model import grouped
 from reference_impl.model.expert_parallel import (
     ExpertParallel,
     PermuteRows,
@@ -143,7 +144,27 @@ def test_moe_layer_reads_the_device_once_per_forward_and_never_in_backward():
 
     out, forward = syncs(lambda: layer(x))
     _, backward = syncs(lambda: out.sum().backward())
-    assert (forward, backward) == (1, 0)
+    grouped_path = grouped.use_grouped(x.view(-1, cfg.hidden_size), list(layer.experts.values()))
+    assert (forward, backward) == (0 if grouped_path else 1, 0)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm (the loop reads)")
+def test_ep1_moe_layer_never_reads_a_tensor_to_the_host(monkeypatch):
+    """EP = 1 with grouped experts: the group offsets come from the plan's counts on the device, so neither the
+    forward nor the backward turns a tensor into host numbers (on CUDA each would wait for the device).  The
+    CPU run shows it: ``tolist`` / ``item`` / ``__int__`` raise while the layer runs."""
+    cfg = ModelConfig(**CFG)
+    layer = MoELayer(cfg)
+    init_parameters(layer, cfg, 5)
+    x = torch.randn(16, 2, cfg.hidden_size, requires_grad=True)
+
+    def read(*_):
+        raise AssertionError("a host read in the EP = 1 MoE layer")
+    for name in ("tolist", "item", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, read)
+    layer(x).sum().backward()
+    monkeypatch.undo()
+    assert x.grad is not None and layer.experts["0"].linear_fc1.weight.grad is not None
 
 
 def test_planted_unsorted_dispatch_reorders_rows_only_with_ep():

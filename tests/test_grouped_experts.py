@@ -61,13 +61,16 @@ def _bits_equal(a, b) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("delayed", [False, True], ids=["wgrad", "delayed-wgrad"])
-def test_grouped_experts_give_the_bits_of_the_loop(device, dtype, shape, delayed):
+@pytest.mark.parametrize("counts_on", ["host", "device"])
+def test_grouped_experts_give_the_bits_of_the_loop(device, dtype, shape, delayed, counts_on):
+    """Also with the counts as a device tensor (EP = 1's dispatch plan: no host read)."""
     hidden, ffn, counts = SHAPES[shape]
     experts = _experts(hidden, ffn, len(counts), dtype, device)
     x = torch.randn(sum(counts), hidden, device=device).to(dtype)
     g = torch.randn(sum(counts), hidden, device=device).to(dtype)
+    given = counts if counts_on == "host" else torch.tensor(counts, device=device)
     loop = _run(lambda t: torch.cat([e(r) for e, r in zip(experts, t.split(counts))]), experts, x, g, delayed)
-    mine = _run(lambda t: grouped.swiglu(t, counts, experts), experts, x, g, delayed)
+    mine = _run(lambda t: grouped.swiglu(t, given, experts), experts, x, g, delayed)
     assert _bits_equal(loop[0], mine[0]) and _bits_equal(loop[1], mine[1])
     assert all(_bits_equal(a, b) for a, b in zip(loop[2], mine[2]))
 

@@ -44,7 +44,7 @@ class StepTrace:
     exp_avg_sq: dict = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)
     time_s: dict = field(default_factory=dict)       # rank -> seconds
-    cpu_s: dict = field(default_factory=dict)        # rank -> CPU seconds of its process ({} if not recorded)
+    cpu_s: dict = field(default_factory=dict)        # rank -> CPU seconds of its process (None: not recorded)
     activations: dict = field(default_factory=dict)  # "<mb>/<global key>" -> fingerprint (capture: activations)
     boundaries: dict = field(default_factory=dict)   # "<F|B>/<sender stage>/<mb>/<send|recv>" -> fingerprint
     # router global name -> {"topk": n, "group": n}: tokens of the step whose selection a tie decided (optional
@@ -241,8 +241,7 @@ def merge(run_dir: Path, world_size: int) -> Trace:
             if rec.get("overlap") is not None:
                 st.overlap[str(rank)] = rec["overlap"]
             st.time_s[str(rank)] = rec["time_s"]
-            if rec.get("cpu_s") is not None:
-                st.cpu_s[str(rank)] = rec["cpu_s"]
+            st.cpu_s[str(rank)] = rec.get("cpu_s")
     counts = {len(st.time_s) for st in steps.values()}
     if counts and counts != {world_size}:
         raise TraceError(f"ranks disagree on the number of steps in {run_dir}")

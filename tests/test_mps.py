@@ -1,0 +1,85 @@
+"""`bitparity verify --mps` and `--ranks-per-core`: the private MPS daemon's life (started, reached by the ranks'
+environment, told to quit on every exit, nothing left behind) with a stand-in for ``nvidia-cuda-mps-control`` on
+PATH, and the refusals (one line, exit 2, nothing written).  The real daemon's effect is measured on the GPU by
+bench/bench_packing.py."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.errors import UsageError
+from harness.running import mps
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ROOT / "cases" / "smoke.yaml"
+
+
+def _fake_tool(tmp_path, monkeypatch, start_exit: int = 0) -> Path:
+    """A ``nvidia-cuda-mps-control`` that logs what it is asked, with the pipe directory it was given."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "mps.log"
+    bin_dir.mkdir()
+    tool = bin_dir / mps.TOOL
+    tool.write_text(f"""#!/bin/sh
+if [ "$1" = -d ]; then
+  echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {log}
+  [ {start_exit} = 0 ] || {{ echo "An instance of this daemon is already running" >&2; exit {start_exit}; }}
+else
+  read line; echo "$line $CUDA_MPS_PIPE_DIRECTORY" >> {log}
+fi
+""")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    return log
+
+
+def test_daemon_is_private_reaches_children_and_quits(tmp_path, monkeypatch):
+    log = _fake_tool(tmp_path, monkeypatch)
+    with mps.daemon():
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        assert Path(pipe).is_dir() and Path(os.environ["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+    assert log.read_text().splitlines() == [f"start {pipe}", f"quit {pipe}"]
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ and not Path(pipe).exists()
+
+
+def test_daemon_quits_when_the_body_fails_and_restores_the_callers_environment(tmp_path, monkeypatch):
+    log = _fake_tool(tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_MPS_LOG_DIRECTORY", "/the/callers")
+    with pytest.raises(KeyboardInterrupt), mps.daemon():
+        raise KeyboardInterrupt
+    assert log.read_text().splitlines()[-1].startswith("quit ")
+    assert os.environ["CUDA_MPS_LOG_DIRECTORY"] == "/the/callers"
+
+
+def test_a_daemon_that_does_not_start_is_one_line(tmp_path, monkeypatch):
+    _fake_tool(tmp_path, monkeypatch, start_exit=3)
+    with pytest.raises(UsageError, match=r"exited 3: An instance of this daemon is already running"):
+        with mps.daemon():
+            pass
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_no_tool_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(UsageError, match="not on this machine's PATH"):
+        with mps.daemon():
+            pass
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--mps"], "--mps: run 'pp2-mtp-with-loss' is on the cpu; MPS serves CUDA runs only"),
+    (["--ranks-per-core", "0"], "--ranks-per-core 0: expected a number of ranks from 1 to 64"),
+    (["--ranks-per-core", "65"], "--ranks-per-core 65: expected a number of ranks from 1 to 64"),
+])
+def test_refusals_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys, args, words):
+    _fake_tool(tmp_path, monkeypatch)           # a daemon would start if the check came too late
+    out = tmp_path / "reports"
+    rc = main(["verify", str(SMOKE), "--out", str(out), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"bitparity: error: {words}"]
+    assert not out.exists() and not (tmp_path / "mps.log").exists()
