@@ -11,8 +11,8 @@ For each setting: ``bitparity verify CASE --only ... --ranks-per-core N`` (the b
 wall time, every run's ``elapsed_s``, the busy cores (all ranks' CPU seconds over the steps / the steps' wall time,
 summed over the runs' step spans) and the verdicts.
 
-    python3 bench/bench_packing.py [--case cases/dsv3-gpu.yaml] [--only RUN ...] [--settings 1,2,4] [--mps]
-            [--out FILE] [--timeout S]
+    .venv/bin/python bench/bench_packing.py [--case cases/dsv3-gpu.yaml] [--only RUN ...] [--settings 1,2,4] [--mps]
+            [--out FILE] [--timeout S]          # (python3 on the GPU machine: bench/gpu_session.sh packing)
 
 Writes a JSON table and prints it.  Exits 2 with one line (nothing written) when a setting runs over --timeout or
 leaves no summary; a setting whose runs fail is reported with its verdicts and errors, not hidden.  ``--mps``: every
@@ -34,8 +34,10 @@ from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from harness.judging.compare import compare  # noqa: E402  (the repo root first)
+from harness.errors import UsageError  # noqa: E402  (the repo root first)
+from harness.judging.compare import compare  # noqa: E402
 from harness.judging.trace import Trace  # noqa: E402
+from harness.planning.cases import load_case  # noqa: E402
 
 P16 = ["pp16-vpp2-mtp-with-loss", "canonical/pp16-vpp2-mtp-standalone", "canonical/pp16-vpp2-mtp-with-loss"]
 
@@ -53,18 +55,27 @@ def _setting(case: str, only: list[str], ranks_per_core: int, mps: bool, out: Pa
     for name in only:
         cmd += ["--only", name]
     start = time.monotonic()
+    proc = subprocess.Popen(cmd + (["--mps"] if mps else []), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(cmd + (["--mps"] if mps else []), cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
+        _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # SIGTERM first: verify then stops its ranks and quits its MPS daemon; SIGKILL only if it does not end
+        proc.terminate()
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
         _fail(f"--ranks-per-core {ranks_per_core}{' --mps' if mps else ''} took over --timeout {timeout} s; "
               "nothing written")
     wall = time.monotonic() - start
-    if mps and proc.returncode == 2 and "--mps:" in proc.stderr:
-        return {"refused": proc.stderr.strip().splitlines()[-1]}
+    last = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {proc.returncode}"
+    if mps and proc.returncode == 2 and "--mps:" in last:
+        return {"refused": last}
     summaries = list(out.glob("*/summary.json"))
     if not summaries:
-        _fail(f"--ranks-per-core {ranks_per_core}: no summary (exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
+        _fail(f"verify --ranks-per-core {ranks_per_core} wrote no summary: {last}")
     summary = json.loads(summaries[0].read_text())
     cpu = steps = 0.0
     traces = {}
@@ -97,9 +108,18 @@ def main() -> int:
         _fail(f"--settings {args.settings!r}: expected ranks per core as integers, e.g. 1,2,4")
     if not settings or any(not 1 <= n <= 64 for n in settings):
         _fail(f"--settings {args.settings!r}: each must be from 1 to 64")
-    if not Path(args.out).parent.is_dir():
-        _fail(f"--out {args.out}: its directory does not exist")
+    if len(set(settings)) != len(settings):
+        _fail(f"--settings {args.settings!r}: a setting is named twice")
+    if not args.timeout > 0:
+        _fail(f"--timeout {args.timeout}: expected a positive number of seconds")
+    out = Path(args.out)
+    if not args.out.strip() or out.is_dir() or not out.parent.is_dir():
+        _fail(f"--out {args.out!r}: expected a file in an existing directory")
     only = args.only or P16
+    try:        # the case and its variants before any run (a verify per setting would say it late, and again)
+        load_case(args.case, only=only)
+    except UsageError as e:
+        _fail(str(e))
     rows, mps_note, first = [], None, None
     with tempfile.TemporaryDirectory() as tmp:
         for mps in ([False, True] if args.mps else [False]):

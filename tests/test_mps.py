@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,14 +22,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "cases" / "smoke.yaml"
 
 
-def _fake_tool(tmp_path, monkeypatch, start_exit: int = 0) -> Path:
-    """A ``nvidia-cuda-mps-control`` that logs what it is asked, with the pipe directory it was given."""
+def _fake_tool(tmp_path, monkeypatch, start_exit: int = 0, start_hangs: bool = False) -> Path:
+    """A ``nvidia-cuda-mps-control`` that logs what it is asked, with the pipe directory it was given; with
+    `start_hangs` its ``-d`` forks a helper (pid in ``helper.pid``) and waits for it forever."""
     bin_dir, log = tmp_path / "bin", tmp_path / "mps.log"
     bin_dir.mkdir()
     tool = bin_dir / mps.TOOL
+    hang = f"sleep 1000 & echo $! > {tmp_path / 'helper.pid'}; wait" if start_hangs else ":"
     tool.write_text(f"""#!/bin/sh
 if [ "$1" = -d ]; then
   echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {log}
+  {hang}
   [ {start_exit} = 0 ] || {{ echo "An instance of this daemon is already running" >&2; exit {start_exit}; }}
 else
   read line; echo "$line $CUDA_MPS_PIPE_DIRECTORY" >> {log}
@@ -36,6 +43,17 @@ fi
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
     return log
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_daemon_is_private_reaches_children_and_quits(tmp_path, monkeypatch):
@@ -62,6 +80,30 @@ def test_a_daemon_that_does_not_start_is_one_line(tmp_path, monkeypatch):
         with mps.daemon():
             pass
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_a_tool_that_hangs_is_killed_with_its_helpers(tmp_path, monkeypatch):
+    _fake_tool(tmp_path, monkeypatch, start_hangs=True)
+    monkeypatch.setattr(mps, "START_TIMEOUT_S", 1)
+    with pytest.raises(UsageError, match=r"-d did not answer within 1 s"):
+        with mps.daemon():
+            pass
+    assert _gone(int((tmp_path / "helper.pid").read_text()))       # the tool's forked helper too
+    assert not list(Path(tempfile.gettempdir()).glob("bitparity-mps-*"))
+
+
+def test_a_killed_command_leaves_no_daemon(tmp_path, monkeypatch):
+    """SIGKILL gives the command no chance to clean up: the watcher quits the daemon and removes its directory."""
+    log = _fake_tool(tmp_path, monkeypatch)
+    body = ("import os, signal; from harness.running import mps; cm = mps.daemon(); cm.__enter__(); "
+            "print(os.environ['CUDA_MPS_PIPE_DIRECTORY'], flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", body], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9
+    pipe = proc.stdout.strip()
+    deadline = time.monotonic() + 20
+    while Path(pipe).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(pipe).exists() and log.read_text().splitlines() == [f"start {pipe}", f"quit {pipe}"]
 
 
 def test_no_tool_is_one_line(monkeypatch, tmp_path):

@@ -13,16 +13,19 @@ compares each setting's traces with the plain run's.
 The daemon is private: its pipe and log directories are a fresh temporary directory, passed to the ranks through
 ``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` (set in this process's environment before the forkserver or
 torchrun starts, so every rank inherits them); other users of the GPU are not affected (default compute mode), and
-the daemon is told to quit when the command ends, also on an error or Ctrl-C.
+the daemon is told to quit when the command ends, also on an error or Ctrl-C; if the command is killed outright
+(SIGKILL), a small watcher process of its own session notices (its pipe from the command closes) and quits it.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 from ..errors import UsageError
 
@@ -32,14 +35,53 @@ TOOL = "nvidia-cuda-mps-control"
 #: concurrent ranks within this.
 CLIENTS_PER_GPU = 48
 _ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+START_TIMEOUT_S = 30
+QUIT_TIMEOUT_S = 20
+
+
+# The watcher: a process of its own session that holds the read end of a pipe whose write end only this process
+# has.  EOF means this process ended; if the daemon's directory is still there, it ended without cleaning up
+# (SIGKILL, a crash): the watcher quits the daemon and removes the directory.
+_WATCHER = """
+import os, shutil, subprocess, sys
+tool, root = sys.argv[1], sys.argv[2]
+sys.stdin.buffer.read()
+if os.path.isdir(root):
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(root, "pipe"),
+               CUDA_MPS_LOG_DIRECTORY=os.path.join(root, "log"))
+    try:
+        subprocess.run([tool], input=b"quit\\n", env=env, capture_output=True, timeout=60, start_new_session=True)
+    except Exception:
+        pass
+    shutil.rmtree(root, ignore_errors=True)
+"""
+
+
+def _call(tool: str, args: list, env: dict, stdin: Optional[str], timeout: float) -> tuple[int, str]:
+    """(exit status, stderr or stdout) of the tool in a process group of its own; on a timeout or an interrupt the
+    whole group is killed (a forked helper of the tool included) and the exception goes on."""
+    proc = subprocess.Popen([tool, *args], env=env, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(stdin, timeout=timeout)
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        raise
+    return proc.returncode, (err or out).strip()
 
 
 @contextmanager
 def daemon() -> Iterator[None]:
-    """Start a private MPS control daemon for the body; quit it and remove its directories afterwards.
+    """Start a private MPS control daemon for the body; quit it and remove its directories afterwards (on an error
+    or an interrupt too; if this process is killed, a watcher process does it).
 
     Raises:
-        UsageError: the tool is not on PATH, or the daemon does not start (its exit status and last words)."""
+        UsageError: the tool is not on PATH, or the daemon does not start or answer within 30 s (its exit status
+            and last words)."""
     tool = shutil.which(TOOL)
     if tool is None:
         raise UsageError(f"--mps: {TOOL} is not on this machine's PATH (MPS ships with the NVIDIA driver)")
@@ -49,27 +91,32 @@ def daemon() -> Iterator[None]:
     for key, sub in zip(_ENV, ("pipe", "log")):
         os.makedirs(os.path.join(root, sub))
         env[key] = os.path.join(root, sub)
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, tool, root], stdin=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        started = subprocess.run([tool, "-d"], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                 timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        shutil.rmtree(root, ignore_errors=True)
-        raise UsageError(f"--mps: {TOOL} -d did not start: {e}") from None
-    if started.returncode != 0:
-        shutil.rmtree(root, ignore_errors=True)
-        words = (started.stderr or started.stdout).strip().splitlines()
-        raise UsageError(f"--mps: {TOOL} -d exited {started.returncode}" + (f": {words[-1]}" if words else ""))
-    os.environ.update({k: env[k] for k in _ENV})
-    try:
-        yield
-    finally:
         try:
-            subprocess.run([tool], input="quit\n", env=env, capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            pass            # a daemon that will not quit dies with the machine; nothing of ours waits on it
+            status, words = _call(tool, ["-d"], env, None, START_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise UsageError(f"--mps: {TOOL} -d did not answer within {START_TIMEOUT_S} s") from None
+        except OSError as e:
+            raise UsageError(f"--mps: {TOOL} -d did not start: {e.strerror}") from None
+        if status != 0:
+            last = words.splitlines()[-1] if words else ""
+            raise UsageError(f"--mps: {TOOL} -d exited {status}" + (f": {last}" if last else ""))
+        os.environ.update({k: env[k] for k in _ENV})
+        try:
+            yield
+        finally:
+            try:
+                _call(tool, [], env, "quit\n", QUIT_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired):
+                pass        # its group is killed; a daemon that still will not quit dies with the machine
+    finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         shutil.rmtree(root, ignore_errors=True)
+        watcher.stdin.close()           # EOF: the directory is gone, so the watcher just ends
+        watcher.wait()
