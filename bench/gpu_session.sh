@@ -7,8 +7,9 @@
 #                                       P = 1 step's time goes (profile_rank, 1 step); the fingerprint kernel tests
 #   bash bench/gpu_session.sh table     the dsv3 four-run table, GPU against this box's CPU cores (bench_gpu_cpu), the
 #                                       fingerprint against torch.sum without the sweep, a dsv3-gpu P = 1 step's profile
-#   bash bench/gpu_session.sh packing   dsv3-gpu's 16-rank runs packed 1, 2, 4 ranks per core, with and without MPS
-#                                       (bench_packing); the grouped-expert tests on the GPU
+#   bash bench/gpu_session.sh packing   dsv3-gpu's 16-rank runs packed 1, 2, 4 ranks per core (PACKING_SETTINGS), with
+#                                       and without MPS (bench_packing, bits compared across settings); the
+#                                       grouped-expert and MoE host-read tests on the GPU
 #   bash bench/gpu_session.sh dsv3 ...  cases/dsv3-gpu.yaml within DSV3_BUDGET (default 540s; extra args go to
 #                                       bitparity verify); the summary with every run's time to $OUT/dsv3-gpu-summary.json
 set -u
@@ -39,8 +40,9 @@ if [ "${1:-}" = dsv3 ]; then
 fi
 if [ "${1:-}" = packing ]; then
     echo "== packing: ranks per core, MPS"; timeout 540 python3 bench/bench_packing.py --mps --timeout 150 \
-        --out "$OUT/packing.json" 2>&1 | tail -16
-    echo "== grouped-expert tests"; timeout 50 python3 -m pytest -q -p no:cacheprovider tests/test_grouped_experts.py 2>&1 | tail -3
+        --settings "${PACKING_SETTINGS:-1,2,4}" --out "$OUT/packing.json" 2>&1 | tail -16
+    echo "== grouped-expert and MoE host-read tests"; timeout 60 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_grouped_experts.py tests/test_expert_parallel.py 2>&1 | tail -3
     exit 0
 fi
 if [ "${1:-}" = table ]; then
