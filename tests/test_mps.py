@@ -125,3 +125,23 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == [f"bitparity: error: {words}"]
     assert not out.exists() and not (tmp_path / "mps.log").exists()
+
+
+def test_every_forked_rank_gets_the_daemons_directories_whenever_the_forkserver_started(tmp_path, monkeypatch):
+    """A forkserver keeps the environment it started with; `launch` applies the harness's `rank_env` in the rank
+    before the worker is imported, set values and unset ones alike."""
+    from trainerkit import process
+    (tmp_path / "envprobe.py").write_text(
+        "import os, pathlib\n"
+        "def rank_main(rank, world, cfg_json, run_dir, store):\n"
+        "    pathlib.Path(run_dir, 'env').write_text(repr([os.environ.get(k) for k in "
+        "('CUDA_MPS_PIPE_DIRECTORY', 'CUDA_MPS_LOG_DIRECTORY')]))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/stale/pipe")        # as a long-running forkserver might hold
+    monkeypatch.setenv("CUDA_MPS_LOG_DIRECTORY", "/stale/log")
+    process.launch("envprobe", 0, 1, "{}", str(tmp_path), None,
+                   {"CUDA_MPS_PIPE_DIRECTORY": "/daemon/pipe", "CUDA_MPS_LOG_DIRECTORY": None})
+    assert (tmp_path / "env").read_text() == "['/daemon/pipe', None]"
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/now")
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    assert process.rank_env() == {"CUDA_MPS_PIPE_DIRECTORY": "/now", "CUDA_MPS_LOG_DIRECTORY": None}

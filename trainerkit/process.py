@@ -95,16 +95,34 @@ def enter_rank(rank: int, run_dir: str, forked: bool) -> TextIO:
     return log
 
 
-def launch(worker: str, rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None) -> None:
+#: Environment variables the harness hands to every forked rank as they are in the harness when the rank starts (a
+#: forkserver keeps the environment it was started with): the MPS daemon's directories of ``verify --mps``
+#: (harness/running/mps.py), so a rank reaches that daemon whenever the forkserver started.  None: unset.
+RANK_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+
+
+def rank_env() -> dict:
+    """`RANK_ENV` as this process has them now (None where unset), for `launch`."""
+    return {k: os.environ.get(k) for k in RANK_ENV}
+
+
+def launch(worker: str, rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None,
+           env: dict | None = None) -> None:
     """Forkserver target: ``<worker>.rank_main(rank, world_size, cfg_json, run_dir, store_path)``, the worker
     module imported here (in the rank) so the harness never imports a trainer (megatron-core's import alone takes
-    seconds); with the module preloaded in the forkserver this is a dictionary lookup.
+    seconds); with the module preloaded in the forkserver this is a dictionary lookup.  `env` (`rank_env` of the
+    harness) is applied first, before anything in the rank can start CUDA.
 
     A worker that cannot be imported (a syntax error anywhere below it: the forkserver's preload skipped it,
     `trainerkit.preload`) ends the rank with code 1 after `exit_cannot_import` has written why into its log, the
     rank's log opened here since ``rank_main`` never runs: otherwise the traceback went to the harness's
     terminal and the run's error read "(empty log)"."""
     import importlib
+    for key, value in (env or {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         module = importlib.import_module(worker)
     except (Exception, SystemExit) as e:        # noqa: BLE001  a broken tree fails in many ways

@@ -11,8 +11,9 @@ and the other libraries choose by the same shapes and limits; no active-thread p
 compares each setting's traces with the plain run's.
 
 The daemon is private: its pipe and log directories are a fresh temporary directory, passed to the ranks through
-``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` (set in this process's environment before the forkserver or
-torchrun starts, so every rank inherits them); other users of the GPU are not affected (default compute mode), and
+``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY``, set in this process's environment: torchrun's ranks inherit
+them, and the runner hands them to every forked rank at its start (`trainerkit.process.rank_env`), however long the
+forkserver has been running; other users of the GPU are not affected (default compute mode), and
 the daemon is told to quit when the command ends, also on an error or Ctrl-C; if the command is killed outright
 (SIGKILL), a small watcher process of its own session notices (its pipe from the command closes) and quits it.
 """
@@ -27,6 +28,8 @@ import tempfile
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
+from trainerkit.process import RANK_ENV
+
 from ..errors import UsageError
 
 TOOL = "nvidia-cuda-mps-control"
@@ -34,7 +37,7 @@ TOOL = "nvidia-cuda-mps-control"
 #: 64 ranks on one H100 failed to start here (bench/results/packing_h100.json), so the pool keeps a command's
 #: concurrent ranks within this.
 CLIENTS_PER_GPU = 48
-_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+_ENV = RANK_ENV            # (pipe, log): what every rank is handed (trainerkit.process.launch)
 START_TIMEOUT_S = 30
 QUIT_TIMEOUT_S = 20
 

@@ -274,15 +274,16 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "
     launcher: "fork" (forkserver children, default) or "torchrun" (`run_torchrun`)."""
     if launcher == "torchrun":
         return run_torchrun(cfg, run_dir, timeout_s)
-    from trainerkit.process import launch
+    from trainerkit.process import launch, rank_env
 
     world = cfg.parallel.world_size
     run_dir.mkdir(parents=True, exist_ok=True)
     store = run_dir / "filestore"
     store.unlink(missing_ok=True)
     start = time.monotonic()
-    procs = [_CTX.Process(target=launch, args=(WORKERS[cfg.trainer], r, world, cfg.model_dump_json(), str(run_dir), str(store)),
-                          name=f"bitparity-rank{r}", daemon=True) for r in range(world)]
+    env = rank_env()
+    procs = [_CTX.Process(target=launch, args=(WORKERS[cfg.trainer], r, world, cfg.model_dump_json(), str(run_dir), str(store),
+                                               env), name=f"bitparity-rank{r}", daemon=True) for r in range(world)]
     error = None
     try:
         with _CHILDREN:
