@@ -164,8 +164,8 @@ def verify(plan: CasePlan, out_root: Path, command: str, timeout_s: Optional[flo
     if mps:
         _check_mps(plan)
         slots = min(slots, mps_daemon.CLIENTS_PER_GPU)
-    # the partial directory is removed and the lock released on every exit, a crash included; the MPS daemon
-    # starts before the forkserver, whose ranks inherit its pipe directory
+    # the partial directory is removed and the lock released on every exit, a crash included; the MPS daemon's
+    # directories reach every rank (the runner hands them over at each rank's start)
     with (mps_daemon.daemon() if mps else nullcontext()), outdir.workspace(out_root, plan.name) as (work, final):
         return _verify(plan, out_root, command, timeout_s, progress, launcher, start, final, work, evidence_all,
                        goldens, jobs or slots, deadline or Deadline(None), slots)

@@ -106,6 +106,15 @@ def rank_env() -> dict:
     return {k: os.environ.get(k) for k in RANK_ENV}
 
 
+def apply_env(env: dict) -> None:
+    """Set this process's environment variables to `env`'s values; None unsets (as `rank_env` reads them)."""
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def launch(worker: str, rank: int, world_size: int, cfg_json: str, run_dir: str, store_path: str | None,
            env: dict | None = None) -> None:
     """Forkserver target: ``<worker>.rank_main(rank, world_size, cfg_json, run_dir, store_path)``, the worker
@@ -118,11 +127,7 @@ def launch(worker: str, rank: int, world_size: int, cfg_json: str, run_dir: str,
     rank's log opened here since ``rank_main`` never runs: otherwise the traceback went to the harness's
     terminal and the run's error read "(empty log)"."""
     import importlib
-    for key, value in (env or {}).items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    apply_env(env or {})
     try:
         module = importlib.import_module(worker)
     except (Exception, SystemExit) as e:        # noqa: BLE001  a broken tree fails in many ways

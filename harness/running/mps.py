@@ -28,7 +28,7 @@ import tempfile
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-from trainerkit.process import RANK_ENV
+from trainerkit.process import RANK_ENV, apply_env, rank_env
 
 from ..errors import UsageError
 
@@ -37,7 +37,6 @@ TOOL = "nvidia-cuda-mps-control"
 #: 64 ranks on one H100 failed to start here (bench/results/packing_h100.json), so the pool keeps a command's
 #: concurrent ranks within this.
 CLIENTS_PER_GPU = 48
-_ENV = RANK_ENV            # (pipe, log): what every rank is handed (trainerkit.process.launch)
 START_TIMEOUT_S = 30
 QUIT_TIMEOUT_S = 20
 
@@ -45,15 +44,14 @@ QUIT_TIMEOUT_S = 20
 # The watcher: a process of its own session that holds the read end of a pipe whose write end only this process
 # has.  EOF means this process ended; if the daemon's directory is still there, it ended without cleaning up
 # (SIGKILL, a crash): the watcher quits the daemon and removes the directory.
+# It runs with the daemon's environment, so the tool it calls reaches that daemon.
 _WATCHER = """
 import os, shutil, subprocess, sys
 tool, root = sys.argv[1], sys.argv[2]
 sys.stdin.buffer.read()
 if os.path.isdir(root):
-    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(root, "pipe"),
-               CUDA_MPS_LOG_DIRECTORY=os.path.join(root, "log"))
     try:
-        subprocess.run([tool], input=b"quit\\n", env=env, capture_output=True, timeout=60, start_new_session=True)
+        subprocess.run([tool], input=b"quit\\n", capture_output=True, timeout=60, start_new_session=True)
     except Exception:
         pass
     shutil.rmtree(root, ignore_errors=True)
@@ -89,12 +87,12 @@ def daemon() -> Iterator[None]:
     if tool is None:
         raise UsageError(f"--mps: {TOOL} is not on this machine's PATH (MPS ships with the NVIDIA driver)")
     root = tempfile.mkdtemp(prefix="bitparity-mps-")
-    saved = {k: os.environ.get(k) for k in _ENV}
+    saved = rank_env()
     env = dict(os.environ)
-    for key, sub in zip(_ENV, ("pipe", "log")):
+    for key, sub in zip(RANK_ENV, ("pipe", "log")):
         os.makedirs(os.path.join(root, sub))
         env[key] = os.path.join(root, sub)
-    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, tool, root], stdin=subprocess.PIPE,
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, tool, root], env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         try:
@@ -106,7 +104,7 @@ def daemon() -> Iterator[None]:
         if status != 0:
             last = words.splitlines()[-1] if words else ""
             raise UsageError(f"--mps: {TOOL} -d exited {status}" + (f": {last}" if last else ""))
-        os.environ.update({k: env[k] for k in _ENV})
+        os.environ.update({k: env[k] for k in RANK_ENV})
         try:
             yield
         finally:
@@ -115,11 +113,7 @@ def daemon() -> Iterator[None]:
             except (OSError, subprocess.TimeoutExpired):
                 pass        # its group is killed; a daemon that still will not quit dies with the machine
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        apply_env(saved)
         shutil.rmtree(root, ignore_errors=True)
         watcher.stdin.close()           # EOF: the directory is gone, so the watcher just ends
         watcher.wait()
