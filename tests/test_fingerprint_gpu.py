@@ -37,6 +37,14 @@ try:
         w = tl.load(words + offs).to(tl.uint64, bitcast=True)
         tl.store(out + offs, fg._term(w, first + offs.to(tl.int64)).to(tl.int64, bitcast=True))
 
+    @triton.jit
+    def _probe_term_lo(out, words, first, N: tl.constexpr):
+        """The narrow kernels' term for indices j = first + offs, given j + 1 as uint32."""
+        offs = tl.arange(0, N)
+        w = tl.load(words + offs).to(tl.uint64, bitcast=True)
+        j1 = (first + 1).to(tl.uint32) + offs.to(tl.uint32)
+        tl.store(out + offs, fg._term_lo(w, j1).to(tl.int64, bitcast=True))
+
     if not HAS_CUDA:   # the interpreter only works if triton itself was first imported with TRITON_INTERPRET=1
         try:
             _probe_sum[(1,)](torch.zeros(1, dtype=torch.int32))
@@ -106,11 +114,13 @@ def test_matches_cpu_definition(dtype, size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("pack,loop", [(p, "static") for p in fg.PACKS] + [("reshape", "dynamic")])
-def test_every_alignment_class_and_pack_agrees(pack, loop, dtype):
+@pytest.mark.parametrize("pack,loop,narrow", [(p, "static", True) for p in fg.PACKS]
+                         + [("reshape", "dynamic", True), ("reshape", "dynamic", False)])
+def test_every_alignment_class_and_pack_agrees(pack, loop, narrow, dtype):
     """Every alignment class (offset views of one buffer: 16-byte aligned, 8-byte aligned, and each
-    misalignment the element size allows, funnel-shifted), partial last words, and both packings of the
-    strided kernel's element loads give the reference bits."""
+    misalignment the element size allows, funnel-shifted), partial last words, both packings of the
+    strided kernel's element loads, and the dynamic loop narrow (word loads, 32-bit index terms) and wide
+    give the reference bits."""
     buf = sample(dtype, (3000,), seed=21)
     esize = buf.element_size()
     views = [buf[k:k + n] for k in range(0, 16 // esize + 1) for n in (1, 3, 7, 300, 1025)]
@@ -118,8 +128,8 @@ def test_every_alignment_class_and_pack_agrees(pack, loop, dtype):
     classes = {fg._alignment(fg._meta(v)) for v in views}
     assert classes == {(True, 0), (False, 0)} | {(False, r) for r in range(esize, 8, esize)}
     want = [ref(v) for v in views]
-    assert fg.fingerprint_many(views, pack=pack, loop=loop, **SMALL) == want
-    assert [fg.fingerprint_device(v, pack=pack, loop=loop, **SMALL) for v in views[::4]] == want[::4]
+    assert fg.fingerprint_many(views, pack=pack, loop=loop, narrow=narrow, **SMALL) == want
+    assert [fg.fingerprint_device(v, pack=pack, loop=loop, narrow=narrow, **SMALL) for v in views[::4]] == want[::4]
 
 
 def test_partial_word_ignores_the_bytes_after_the_tensor():
@@ -198,6 +208,8 @@ def test_bad_options_are_rejected():
         fg.fingerprint_device(t, pack="fast")
     with pytest.raises(ValueError, match="wpt"):
         fg.fingerprint_device(t, wpt=3)
+    with pytest.raises(ValueError, match="narrow"):
+        fg.fingerprint_device(t, narrow="yes")
 
 
 def test_term_at_large_word_indices():
@@ -211,6 +223,36 @@ def test_term_at_large_word_indices():
         with np.errstate(over="ignore"):
             want = _mix(wnp ^ _mix(np.arange(64, dtype=np.uint64) + np.uint64(first) + np.uint64(1)))
         assert np.array_equal(out.cpu().numpy().view(np.uint64), want), hex(first)
+
+
+def test_narrow_term_up_to_the_last_32_bit_index():
+    """`_term_lo` (j + 1 on 32 bits, the first finaliser step narrowed) equals the definition for every j + 1
+    that fits 32 bits, up to 2^32 - 1, whose top bits the narrowed first xor-shift must carry."""
+    words = sample(torch.int64, (64,), seed=8)
+    wnp = words.cpu().numpy().view(np.uint64)
+    for first in (0, (1 << 31) - 5, (1 << 32) - 65):
+        out = torch.empty(64, dtype=torch.int64, device=DEVICE)
+        _probe_term_lo[(1,)](out, words, first, N=64)
+        with np.errstate(over="ignore"):
+            want = _mix(wnp ^ _mix(np.arange(64, dtype=np.uint64) + np.uint64(first) + np.uint64(1)))
+        assert np.array_equal(out.cpu().numpy().view(np.uint64), want), hex(first)
+
+
+@pytest.mark.parametrize("base,narrow", [((1 << 32) - 301, True), ((1 << 32) - 300, False)])
+def test_word_sums_narrow_only_where_every_index_fits_32_bits(base, narrow):
+    """A launch is narrow only while its last word index + 1 fits 32 bits: 300 words at base 2^32 - 301 end on
+    j + 1 = 2^32 - 1 (narrow), at 2^32 - 300 on 2^32 (the wide kernel); both give the definition's sums."""
+    words = sample(torch.int64, (300,), seed=9)
+    assert fg.word_sums([words], [base], [0], 1) == [_host_word_sum(words, base)]
+    plan, _ = fg._plan([words], fg._cfg({}), ((base, 0),))
+    assert [launch[-1] for launch in plan.launches] == [narrow]
+
+
+def _host_word_sum(words, base):
+    w = words.cpu().numpy().view(np.uint64)
+    with np.errstate(over="ignore"):
+        idx = np.arange(len(w), dtype=np.uint64) + np.uint64(base) + np.uint64(1)
+        return int(np.add.reduce(_mix(w ^ _mix(idx)), dtype=np.uint64))
 
 
 def test_module_imports_and_falls_back_without_triton():
