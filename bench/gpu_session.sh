@@ -6,7 +6,9 @@
 #                                       rank with CUDA events (bench_gpu_capture, ~1.35B parameters); where a dsv3-gpu
 #                                       P = 1 step's time goes (profile_rank, 1 step); the fingerprint kernel tests
 #   bash bench/gpu_session.sh table     the dsv3 four-run table, GPU against this box's CPU cores (bench_gpu_cpu), the
-#                                       fingerprint against torch.sum without the sweep, a dsv3-gpu P = 1 step's profile
+#                                       fingerprint against torch.sum without the sweep (the former kernel beside it),
+#                                       one MoE layer on a CPU core / GPU eager / GPU graphed (bench_graph_layer), the
+#                                       fingerprint kernel tests
 #   bash bench/gpu_session.sh packing   dsv3-gpu's 16-rank runs packed 1, 2, 4 ranks per core (PACKING_SETTINGS), with
 #                                       and without MPS (bench_packing, bits compared across settings); the
 #                                       grouped-expert and MoE host-read tests on the GPU
@@ -49,9 +51,10 @@ if [ "${1:-}" = packing ]; then
     exit 0
 fi
 if [ "${1:-}" = table ]; then
-    echo "== dsv3: GPU against CPU, side by side"; timeout 570 python3 bench/bench_gpu_cpu.py --out "$OUT/gpu_cpu.json" 2>&1 | tail -8
-    echo "== fingerprint benchmark (no sweep)"; timeout 120 python3 bench/bench_fingerprint_gpu.py --no-sweep --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -14
-    profile_pp1
+    echo "== dsv3: GPU against CPU, side by side"; timeout 400 python3 bench/bench_gpu_cpu.py --out "$OUT/gpu_cpu.json" 2>&1 | tail -8
+    echo "== fingerprint benchmark (no sweep; the former kernel beside it)"; timeout 120 python3 bench/bench_fingerprint_gpu.py --no-sweep --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -16
+    echo "== one MoE layer: CPU core, GPU eager, GPU graphed"; timeout 90 python3 bench/bench_graph_layer.py --out "$OUT/graph_layer.json" 2>&1 | tail -6
+    echo "== fingerprint kernel tests"; timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fingerprint_gpu.py 2>&1 | tail -3
     exit 0
 fi
 echo "== fingerprint benchmark"; timeout 150 python3 bench/bench_fingerprint_gpu.py --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -45

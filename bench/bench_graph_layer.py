@@ -1,0 +1,160 @@
+"""Benchmark: one MoE decoder layer of the reference trainer (EP = 1), forward + backward, run eagerly on one CPU
+core, eagerly on the GPU and replayed as CUDA graphs (``torch.cuda.make_graphed_callables``), side by side in one
+process, with the GPU's eager and graphed bits compared (output, input gradient, every parameter gradient).
+
+Why (issue #38, item 3): a dsv3 rank on the GPU is bound by the host's ~10 us per kernel launch, while a hidden-32
+layer's ops take 1-3 us on a CPU core, so the GPU loses to the CPU.  A graph replays a layer's whole forward
+(or backward) with one launch; this measures what that would save per layer and microbatch, and whether the
+replay keeps the eager bits, before the schedules are built around it.
+
+    python3 bench/bench_graph_layer.py [--cases cases/dsv3.yaml,cases/dsv3-gpu.yaml] [--iters 30] [--out FILE]
+
+Per case (its model and microbatch shape, params in the case's dtype on the GPU, fp32 on the CPU): median time
+per forward + backward over `--iters` iterations after warm-up (CUDA events around each iteration on the GPU;
+perf_counter on the CPU), and ``bits_equal``: the graphed replay's output and gradients against the GPU eager
+run's, bitwise.  A capture that fails (a host read inside the layer, an op that cannot be captured) is recorded
+with its error, not raised: that is a finding too.  Deterministic algorithms on, as in the ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")     # before CUDA starts, as the ranks do
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from harness.planning.cases import load_case  # noqa: E402
+
+from reference_impl.model.common import rope_cos_sin  # noqa: E402
+from reference_impl.model.layer import TransformerLayer  # noqa: E402
+from trainerkit.config import RunConfig  # noqa: E402
+
+
+class _LayerFn(nn.Module):
+    """x [s, b, h] -> the layer's output, with the RoPE tables bound (a graphed callable takes tensors only)."""
+
+    def __init__(self, layer: TransformerLayer, cos: torch.Tensor, sin: torch.Tensor):
+        super().__init__()
+        self.layer, self.cos, self.sin = layer, cos, sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, self.cos, self.sin)
+
+
+def _run_config(case: Path) -> RunConfig:
+    """The case's baseline run config, read the harness's way (``extends``, defaults, validation)."""
+    return load_case(case, only=[], overrides={"device": "cpu"}).runs[0].config
+
+
+def _build(case: Path, device: str, dtype: torch.dtype, seed: int = 0):
+    run = _run_config(case)
+    cfg, s, b = run.model, run.training.seq_length, run.training.micro_batch_size
+    torch.manual_seed(seed)
+    layer = TransformerLayer(cfg, moe=True).to(device=device, dtype=dtype)
+    cos, sin = (t.to(device, dtype) for t in rope_cos_sin(s, cfg.qk_pos_emb_head_dim, cfg.rotary_base))
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(s, b, cfg.hidden_size, generator=g).to(device, dtype)
+    dy = torch.randn(s, b, cfg.hidden_size, generator=g).to(device, dtype)
+    return _LayerFn(layer, cos, sin), x, dy
+
+
+def _step(fn, module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list:
+    """One forward + backward from zeroed gradients; returns [output, dx, every parameter's grad]."""
+    for p in module.parameters():
+        p.grad = None
+    xi = x.detach().clone().requires_grad_(True)
+    y = fn(xi)
+    y.backward(dy)
+    return [y.detach(), xi.grad] + [p.grad for p in module.parameters()]
+
+
+def _time(fn, module, x, dy, iters: int, cuda: bool) -> float:
+    """Median ms per forward + backward."""
+    for _ in range(3):
+        _step(fn, module, x, dy)
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _step(fn, module, x, dy)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            _step(fn, module, x, dy)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(case: Path, iters: int) -> dict:
+    dtype = getattr(torch, _run_config(case).params_dtype)
+    out: dict = {"case": str(case), "gpu_dtype": str(dtype).replace("torch.", "")}
+    module, x, dy = _build(case, "cpu", torch.float32)
+    out["cpu_eager_ms"] = _time(module, module, x, dy, iters, cuda=False)
+    module, x, dy = _build(case, "cuda", dtype)
+    out["cuda_eager_ms"] = _time(module, module, x, dy, iters, cuda=True)
+    eager = _step(module, module, x, dy)
+    try:
+        sample = x.detach().clone().requires_grad_(True)
+        graphed = torch.cuda.make_graphed_callables(module, (sample,), num_warmup_iters=3,
+                                                   allow_unused_input=True)
+    except Exception as exc:  # noqa: BLE001  (a failed capture is a finding: recorded, not raised)
+        out["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        return out
+    out["cuda_graphed_ms"] = _time(graphed, module, x, dy, iters, cuda=True)
+    replay = _step(graphed, module, x, dy)
+    out["bits_equal"] = len(eager) == len(replay) and all(
+        a is not None and b is not None and torch.equal(a, b) for a, b in zip(eager, replay))
+    out["tensors_compared"] = len(eager)
+    out["graphed_over_cpu"] = out["cpu_eager_ms"] / out["cuda_graphed_ms"]
+    out["graphed_over_eager"] = out["cuda_eager_ms"] / out["cuda_graphed_ms"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="cases/dsv3.yaml,cases/dsv3-gpu.yaml")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_graph_layer: needs a CUDA device (none found); nothing measured", file=sys.stderr)
+        return 2
+    if args.iters < 1:
+        print("bench_graph_layer: --iters must be >= 1", file=sys.stderr)
+        return 2
+    cases = [ROOT / c for c in args.cases.split(",")]
+    missing = [str(c) for c in cases if not c.is_file()]
+    if missing:
+        print(f"bench_graph_layer: no such case: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)                          # one CPU rank = one core
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": args.iters,
+               "cases": [measure(c, args.iters) for c in cases]}
+    for r in results["cases"]:
+        line = f"{r['case']}: cpu {r['cpu_eager_ms']:.2f} ms, cuda eager {r['cuda_eager_ms']:.2f} ms"
+        line += (f", graphed {r['cuda_graphed_ms']:.3f} ms (x{r['graphed_over_eager']:.1f} over eager, "
+                 f"x{r['graphed_over_cpu']:.1f} over the CPU core), bits equal: {r['bits_equal']}"
+                 if "graph_error" not in r else f", capture failed: {r['graph_error']}")
+        print(line)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
