@@ -34,7 +34,6 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from harness.planning.cases import load_case  # noqa: E402
-
 from reference_impl.model.common import rope_cos_sin  # noqa: E402
 from reference_impl.model.layer import TransformerLayer  # noqa: E402
 from trainerkit.config import RunConfig  # noqa: E402
