@@ -1,4 +1,5 @@
-"""The on-device fingerprint (trainerkit/fingerprint_gpu.py) equals the CPU definition bit for bit.
+"""The on-device fingerprint (trainerkit/fingerprint_gpu.py, its kernels in fingerprint_kernels.py) equals the CPU
+definition bit for bit.
 
 With a CUDA device the kernels run on it.  Without one, the same kernels run on CPU tensors in Triton's
 interpreter (TRITON_INTERPRET=1 is set only while this module imports the kernels and while its tests run,
@@ -23,7 +24,9 @@ try:
     import triton.language as tl
 
     from trainerkit import fingerprint_gpu as fg
-    if not HAS_CUDA and not fg.INTERPRET:         # imported earlier without the interpreter: re-decorate
+    from trainerkit import fingerprint_kernels as fk
+    if not HAS_CUDA and not fk.INTERPRET:         # imported earlier without the interpreter: re-decorate
+        fk = importlib.reload(fk)
         fg = importlib.reload(fg)
 
     @triton.jit
@@ -35,7 +38,7 @@ try:
         """Store the kernels' term mix(w ^ mix(j + 1)) for words w at indices j = first + offs."""
         offs = tl.arange(0, N)
         w = tl.load(words + offs).to(tl.uint64, bitcast=True)
-        tl.store(out + offs, fg._term(w, first + offs.to(tl.int64)).to(tl.int64, bitcast=True))
+        tl.store(out + offs, fk._term(w, first + offs.to(tl.int64)).to(tl.int64, bitcast=True))
 
     @triton.jit
     def _probe_term_lo(out, words, first, N: tl.constexpr):
@@ -43,7 +46,7 @@ try:
         offs = tl.arange(0, N)
         w = tl.load(words + offs).to(tl.uint64, bitcast=True)
         j1 = (first + 1).to(tl.uint32) + offs.to(tl.uint32)
-        tl.store(out + offs, fg._term_lo(w, j1).to(tl.int64, bitcast=True))
+        tl.store(out + offs, fk._term_lo(w, j1).to(tl.int64, bitcast=True))
 
     if not HAS_CUDA:   # the interpreter only works if triton itself was first imported with TRITON_INTERPRET=1
         try:
@@ -100,7 +103,7 @@ def test_runs_on_the_kernels():
     """Guard against a vacuous pass: CPU tensors must go through the interpreted kernels, not the fallback."""
     assert fg.HAVE_TRITON and fg.available()
     if not HAS_CUDA:
-        assert fg.INTERPRET
+        assert fg.INTERPRET and fk.INTERPRET
         assert "Interpreted" in type(fg._contig_kernel).__name__
 
 
