@@ -99,7 +99,7 @@ def _time(fn, module, x, dy, iters: int, cuda: bool) -> float:
 
 def measure(case: Path, iters: int) -> dict:
     dtype = getattr(torch, _run_config(case).params_dtype)
-    out: dict = {"case": str(case), "gpu_dtype": str(dtype).replace("torch.", "")}
+    out: dict = {"case": str(case.relative_to(ROOT)), "gpu_dtype": str(dtype).replace("torch.", "")}
     module, x, dy = _build(case, "cpu", torch.float32)
     out["cpu_eager_ms"] = _time(module, module, x, dy, iters, cuda=False)
     module, x, dy = _build(case, "cuda", dtype)
@@ -134,7 +134,11 @@ def main() -> int:
     if args.iters < 1:
         print("bench_graph_layer: --iters must be >= 1", file=sys.stderr)
         return 2
-    cases = [ROOT / c for c in args.cases.split(",")]
+    cases = [(ROOT / c).resolve() for c in args.cases.split(",")]
+    outside = [str(c) for c in cases if ROOT not in c.parents]
+    if outside:
+        print(f"bench_graph_layer: case outside the repository: {', '.join(outside)}", file=sys.stderr)
+        return 2
     missing = [str(c) for c in cases if not c.is_file()]
     if missing:
         print(f"bench_graph_layer: no such case: {', '.join(missing)}", file=sys.stderr)

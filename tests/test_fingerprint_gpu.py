@@ -171,12 +171,12 @@ def _mixed_list():
     return ts
 
 
-@pytest.mark.parametrize("pack", fg.PACKS)
-@pytest.mark.parametrize("loop", fg.LOOPS)
-def test_many_equals_per_tensor(pack, loop):
+@pytest.mark.parametrize("pack,loop,narrow", [(p, loop, False) for p in fg.PACKS for loop in fg.LOOPS]
+                         + [(p, "dynamic", True) for p in fg.PACKS])
+def test_many_equals_per_tensor(pack, loop, narrow):
     ts = _mixed_list()
     want = [ref(t) for t in ts]
-    assert fg.fingerprint_many(ts, pack=pack, loop=loop, **SMALL) == want
+    assert fg.fingerprint_many(ts, pack=pack, loop=loop, narrow=narrow, **SMALL) == want
     assert fg.fingerprint_hex_many_device(ts, pack=pack, **SMALL) == [f"{v:016x}" for v in want]  # cached plan
     assert [fg.fingerprint_device(t, **SMALL) for t in ts[::13]] == want[::13]
     assert fg.fingerprint_many([]) == []
@@ -246,8 +246,8 @@ def test_word_sums_narrow_only_where_every_index_fits_32_bits(base, narrow):
     """A launch is narrow only while its last word index + 1 fits 32 bits: 300 words at base 2^32 - 301 end on
     j + 1 = 2^32 - 1 (narrow), at 2^32 - 300 on 2^32 (the wide kernel); both give the definition's sums."""
     words = sample(torch.int64, (300,), seed=9)
-    assert fg.word_sums([words], [base], [0], 1) == [_host_word_sum(words, base)]
-    plan, _ = fg._plan([words], fg._cfg({}), ((base, 0),))
+    assert fg.word_sums([words], [base], [0], 1, narrow=True) == [_host_word_sum(words, base)]
+    plan, _ = fg._plan([words], fg._cfg({"narrow": True}), ((base, 0),))
     assert [launch[-1] for launch in plan.launches] == [narrow]
 
 

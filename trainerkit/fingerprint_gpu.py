@@ -12,8 +12,10 @@ the strided kernel arranges element loads before packing (a 1-D load reshaped to
 ``loop`` ("static" or "dynamic", contiguous kernel): the sub-blocks in a loop of constexpr trip count with run-time
 branches inside, or the whole-word ones in a branch-free loop of run-time trip count then one masked sub-block
 (`_words_block_dyn`); ``stages``: Triton's ``num_stages`` for the contiguous kernel; ``narrow`` (dynamic loop):
-32-bit index terms and 128-bit word loads where the launch allows them (`_words_block_dyn`; False: the kernel as
-it was before 2026-12-07, kept for the side-by-side benchmark).
+32-bit index terms and 128-bit word loads where the launch allows them (`_words_block_dyn`: 20 % fewer ALU
+instructions per word).  Off by default: on an H100 it equalled the wide loop from 256 MiB up (1.00-1.03 of
+torch.sum) but gave 0.90 against 1.00-1.02 on 64 MiB tensors, and on the H200, whose ALU pipe it is meant to
+relieve, it is not measured yet (bench/results/README.md, 2026-12-07).
 
 `fingerprint_many_async` launches without waiting and returns a `PendingFingerprints` (`.result()`,
 `.hex()`): the kernels run on the current stream, in order with the work that produces and later overwrites
@@ -40,7 +42,7 @@ from .fingerprint_kernels import HAVE_TRITON, INTERPRET
 if HAVE_TRITON:
     from .fingerprint_kernels import _contig_kernel, _strided_kernel
 
-DEFAULT = {"num_warps": 4, "wpt": 8, "nsub": 8, "pack": "reshape", "loop": "dynamic", "stages": 3, "narrow": True}
+DEFAULT = {"num_warps": 4, "wpt": 8, "nsub": 8, "pack": "reshape", "loop": "dynamic", "stages": 3, "narrow": False}
 PACKS = ("reshape", "2d")
 LOOPS = ("static", "dynamic")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
