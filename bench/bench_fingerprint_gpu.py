@@ -33,6 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _refuse import fail, out_file  # noqa: E402  (bench/, the script's own directory, is first on sys.path)
+
 from trainerkit import fingerprint_gpu as fg  # noqa: E402
 from trainerkit.fingerprint import _header, _mix, fingerprint  # noqa: E402
 
@@ -161,10 +163,10 @@ def sweep(results: dict) -> dict:
     (element-load path)."""
     best = {}
     rows = []
-    geometries = [{}, {"narrow": False}, {"wpt": 16}, {"wpt": 4}, {"nsub": 4}, {"nsub": 16}, {"nsub": 32},
+    geometries = [{}, ALT, {"wpt": 16}, {"wpt": 4}, {"nsub": 4}, {"nsub": 16}, {"nsub": 32},
                   {"num_warps": 8, "wpt": 4}, {"num_warps": 8}, {"num_warps": 16, "wpt": 4}, {"stages": 1},
-                  {"stages": 2}, {"stages": 4}, {"pack": "2d"}, {"loop": "static"},
-                  {"narrow": False, "wpt": 16}]
+                  {"stages": 2}, {"stages": 4}, {"pack": "2d"}, {"loop": "static", "narrow": False},
+                  {**ALT, "wpt": 16}]
     for label, dtype, shift in (("fp32", torch.float32, 0), ("bf16", torch.bfloat16, 0),
                                 ("bf16 odd address", torch.bfloat16, 1)):
         t = random_tensor(SIZES["sweep"] + 2 * shift, dtype, seed=1)[shift:]
@@ -298,18 +300,19 @@ def main() -> None:
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="check the script end to end on CPU tensors (needs TRITON_INTERPRET=1); times are meaningless")
     args = ap.parse_args()
+    out = out_file(args.out)
     global DEVICE
     if args.smoke_cpu:
         if not fg.INTERPRET:
-            sys.exit("bench_fingerprint_gpu: --smoke-cpu needs TRITON_INTERPRET=1 in the environment")
+            fail("--smoke-cpu needs TRITON_INTERPRET=1 in the environment")
         DEVICE = "cpu"
         SIZES.update(sweep=64 << 10, single=[16 << 10, 64 << 10], many_params=2e5, layers=1)
     elif args.quick:
         SIZES.update(sweep=64 * MiB, single=[64 * MiB, 256 * MiB], many_params=3e8)
     if DEVICE == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_fingerprint_gpu: needs a CUDA device (none found); nothing measured")
+        fail("needs a CUDA device (none found); nothing measured")
     if not fg.HAVE_TRITON:
-        sys.exit("bench_fingerprint_gpu: needs Triton (pip install triton)")
+        fail("needs Triton (pip install triton)")
     import triton
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (Triton interpreter smoke run)",
@@ -337,8 +340,6 @@ def main() -> None:
           f" ({ALT_LABEL} {results['many'][ALT_LABEL]['ratio_sum']:.2f})"
           f" (best options {results['many']['best single-tensor options']['ratio_sum']:.2f});"
           f"  {results['wall_s']:.0f} s")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(f"wrote {out}")
     if not ok:

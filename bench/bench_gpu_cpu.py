@@ -22,7 +22,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn
+
+from _refuse import fail, out_file  # bench/, the script's own directory, is first on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ["pp16-vpp2-mtp-with-loss", "pp2-1f1b-mtp-with-loss", "pp1-no-pipelining"]
@@ -36,21 +37,16 @@ def _run(case: str, device: str, out: Path, timeout: int) -> dict[str, float]:
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        _fail(f"the {device} pass took over --timeout {timeout} s; nothing written")
+        fail(f"the {device} pass took over --timeout {timeout} s; nothing written")
     summaries = list(out.glob("*/summary.json"))
     if not summaries:
-        _fail(f"{device}: no summary (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
+        fail(f"{device}: no summary (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
     summary = json.loads(summaries[0].read_text())
     times = {v["name"]: v["elapsed_s"] for v in summary["variants"]}
     unfinished = [name for name, t in times.items() if t is None]
     if unfinished:
-        _fail(f"{device}: {', '.join(unfinished)} did not finish (see `bitparity verify` on its own); nothing written")
+        fail(f"{device}: {', '.join(unfinished)} did not finish (see `bitparity verify` on its own); nothing written")
     return times | {"_verdict_ok": summary["all_pass"]}
-
-
-def _fail(line: str) -> NoReturn:
-    print(f"bench_gpu_cpu: {line}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def main() -> int:
@@ -59,11 +55,10 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/gpu_cpu.json")
     ap.add_argument("--timeout", type=int, default=280, help="seconds per device pass")
     args = ap.parse_args()
-    if not Path(args.out).parent.is_dir():
-        _fail(f"--out {args.out}: its directory does not exist")
+    out_file(args.out)
     import torch
     if not torch.cuda.is_available():
-        _fail("needs a CUDA device (none found); nothing measured")
+        fail("needs a CUDA device (none found); nothing measured")
     times, ok = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for device in ("cuda", "cpu"):

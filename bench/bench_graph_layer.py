@@ -31,8 +31,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")     # before CUDA starts, as the ranks do
 
 import torch  # noqa: E402
+from _refuse import fail, out_file  # noqa: E402  (bench/, the script's own directory, is first on sys.path)
 from torch import nn  # noqa: E402
 
+from harness.errors import UsageError  # noqa: E402
 from harness.planning.cases import load_case  # noqa: E402
 from reference_impl.model.common import rope_cos_sin  # noqa: E402
 from reference_impl.model.layer import TransformerLayer  # noqa: E402
@@ -128,21 +130,22 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_graph_layer: needs a CUDA device (none found); nothing measured", file=sys.stderr)
-        return 2
+    out = out_file(args.out)
     if args.iters < 1:
-        print("bench_graph_layer: --iters must be >= 1", file=sys.stderr)
-        return 2
-    cases = [(ROOT / c).resolve() for c in args.cases.split(",")]
-    outside = [str(c) for c in cases if ROOT not in c.parents]
-    if outside:
-        print(f"bench_graph_layer: case outside the repository: {', '.join(outside)}", file=sys.stderr)
-        return 2
-    missing = [str(c) for c in cases if not c.is_file()]
-    if missing:
-        print(f"bench_graph_layer: no such case: {', '.join(missing)}", file=sys.stderr)
-        return 2
+        fail(f"--iters {args.iters}: must be >= 1")
+    names = args.cases.split(",")
+    if not all(n.strip() for n in names):
+        fail(f"--cases {args.cases!r}: an empty case name")
+    cases = [(ROOT / n).resolve() for n in names]
+    for name, case in zip(names, cases):
+        if ROOT not in case.parents or not case.is_file():
+            fail(f"--cases: {name!r} is not a case file of this repository")
+        try:
+            _run_config(case)
+        except UsageError as err:
+            fail(f"--cases: {err}")
+    if not torch.cuda.is_available():
+        fail("needs a CUDA device (none found); nothing measured")
     torch.set_num_threads(1)                          # one CPU rank = one core
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -154,8 +157,8 @@ def main() -> int:
                  f"x{r['graphed_over_cpu']:.1f} over the CPU core), bits equal: {r['bits_equal']}"
                  if "graph_error" not in r else f", capture failed: {r['graph_error']}")
         print(line)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    if out:
+        out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

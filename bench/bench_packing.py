@@ -30,21 +30,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from _refuse import fail, out_file  # noqa: E402  (bench/, the script's own directory, is first on sys.path)
+
 from harness.errors import UsageError  # noqa: E402  (the repo root first)
 from harness.judging.compare import compare  # noqa: E402
 from harness.judging.trace import Trace  # noqa: E402
 from harness.planning.cases import load_case  # noqa: E402
 
 P16 = ["pp16-vpp2-mtp-with-loss", "canonical/pp16-vpp2-mtp-standalone", "canonical/pp16-vpp2-mtp-with-loss"]
-
-
-def _fail(line: str) -> NoReturn:
-    print(f"bench_packing: {line}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def _setting(case: str, only: list[str], ranks_per_core: int, mps: bool, out: Path, timeout: int) -> dict:
@@ -67,7 +63,7 @@ def _setting(case: str, only: list[str], ranks_per_core: int, mps: bool, out: Pa
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-        _fail(f"--ranks-per-core {ranks_per_core}{' --mps' if mps else ''} took over --timeout {timeout} s; "
+        fail(f"--ranks-per-core {ranks_per_core}{' --mps' if mps else ''} took over --timeout {timeout} s; "
               "nothing written")
     wall = time.monotonic() - start
     last = stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {proc.returncode}"
@@ -75,7 +71,7 @@ def _setting(case: str, only: list[str], ranks_per_core: int, mps: bool, out: Pa
         return {"refused": last}
     summaries = list(out.glob("*/summary.json"))
     if not summaries:
-        _fail(f"verify --ranks-per-core {ranks_per_core} wrote no summary: {last}")
+        fail(f"verify --ranks-per-core {ranks_per_core} wrote no summary: {last}")
     summary = json.loads(summaries[0].read_text())
     cpu = steps = 0.0
     traces = {}
@@ -105,21 +101,19 @@ def main() -> int:
     try:
         settings = [int(x) for x in args.settings.split(",")]
     except ValueError:
-        _fail(f"--settings {args.settings!r}: expected ranks per core as integers, e.g. 1,2,4")
+        fail(f"--settings {args.settings!r}: expected ranks per core as integers, e.g. 1,2,4")
     if not settings or any(not 1 <= n <= 64 for n in settings):
-        _fail(f"--settings {args.settings!r}: each must be from 1 to 64")
+        fail(f"--settings {args.settings!r}: each must be from 1 to 64")
     if len(set(settings)) != len(settings):
-        _fail(f"--settings {args.settings!r}: a setting is named twice")
+        fail(f"--settings {args.settings!r}: a setting is named twice")
     if not args.timeout > 0:
-        _fail(f"--timeout {args.timeout}: expected a positive number of seconds")
-    out = Path(args.out)
-    if not args.out.strip() or out.is_dir() or not out.parent.is_dir():
-        _fail(f"--out {args.out!r}: expected a file in an existing directory")
+        fail(f"--timeout {args.timeout}: expected a positive number of seconds")
+    out_file(args.out)
     only = args.only or P16
     try:        # the case and its variants before any run (a verify per setting would say it late, and again)
         load_case(args.case, only=only)
     except UsageError as e:
-        _fail(str(e))
+        fail(str(e))
     rows, mps_note, first = [], None, None
     with tempfile.TemporaryDirectory() as tmp:
         for mps in ([False, True] if args.mps else [False]):

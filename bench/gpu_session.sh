@@ -15,7 +15,7 @@
 #   bash bench/gpu_session.sh dsv3 ...  cases/dsv3-gpu.yaml within DSV3_BUDGET (default 540s; extra args go to
 #                                       bitparity verify, default --mps --ranks-per-core 2); the summary with every
 #                                       run's time to $OUT/dsv3-gpu-summary.json
-#   bash bench/gpu_session.sh dsv3-and-kernels ...   the same within 470s, then the fingerprint (no sweep) and the
+#   bash bench/gpu_session.sh dsv3-and-kernels ...   the same within 460s, then the fingerprint (no sweep) and the
 #                                       graphed layer: one call where device time is short
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -32,12 +32,12 @@ profile_pp1() {
 # the fingerprint against torch.sum without the sweep, the former kernel beside it (~40 s with the imports)
 fingerprint_nosweep() {
     echo "== fingerprint benchmark (no sweep; the former kernel beside it)"
-    timeout "${1:-120}" python3 bench/bench_fingerprint_gpu.py --no-sweep --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -16
+    timeout -k 5 "${1:-120}" python3 bench/bench_fingerprint_gpu.py --no-sweep --out "$OUT/fingerprint_gpu.json" 2>&1 | tail -16
 }
 # one MoE layer on a CPU core, eagerly on the GPU, replayed as CUDA graphs (~40 s)
 graph_layer() {
     echo "== one MoE layer: CPU core, GPU eager, GPU graphed"
-    timeout "${1:-90}" python3 bench/bench_graph_layer.py --out "$OUT/graph_layer.json" 2>&1 | tail -6
+    timeout -k 5 "${1:-90}" python3 bench/bench_graph_layer.py --out "$OUT/graph_layer.json" 2>&1 | tail -6
 }
 if [ "${1:-}" = dsv3 ] || [ "${1:-}" = dsv3-and-kernels ]; then
     mode=$1; shift
@@ -47,15 +47,17 @@ if [ "${1:-}" = dsv3 ] || [ "${1:-}" = dsv3-and-kernels ]; then
     # their verdicts (the rest are errors, "not run"); the outer timeout only guards against a hang in the report
     # the ranks through MPS, two 16-rank runs at a time: 1.78x on the 16-rank runs (bench/results, packing)
     [ $# -eq 0 ] && set -- --mps --ranks-per-core 2
-    # dsv3-and-kernels: the case in less (DSV3_BUDGET default 470s), then the fingerprint and the graphed layer
-    budget=${DSV3_BUDGET:-$([ "$mode" = dsv3 ] && echo 540s || echo 470s)}
-    timeout "$([ "$mode" = dsv3 ] && echo 590 || echo 500)" python3 -m harness verify cases/dsv3-gpu.yaml --out /tmp/rep --budget "$budget" "$@" \
-        > "$OUT/dsv3-gpu.log" 2>&1
+    # dsv3-and-kernels: the case in less (DSV3_BUDGET default 460s), then the fingerprint and the graphed layer
+    # (40 s each); keep DSV3_BUDGET ~20 s under the outer timeout, which leaves verify time for its report
+    budget=${DSV3_BUDGET:-$([ "$mode" = dsv3 ] && echo 540s || echo 460s)}
+    rm -rf /tmp/rep
+    timeout -k 10 "$([ "$mode" = dsv3 ] && echo 570 || echo 480)" python3 -m harness verify cases/dsv3-gpu.yaml \
+        --out /tmp/rep --budget "$budget" "$@" > "$OUT/dsv3-gpu.log" 2>&1
     rc=$?
     echo "verify exit $rc after $(( $(date +%s) - start )) s"
     grep -v "^      collecting" "$OUT/dsv3-gpu.log" | tail -40
     cp /tmp/rep/dsv3-gpu/summary.json "$OUT/dsv3-gpu-summary.json" 2>/dev/null
-    if [ "$mode" = dsv3-and-kernels ]; then fingerprint_nosweep 50; graph_layer 45; fi
+    if [ "$mode" = dsv3-and-kernels ]; then fingerprint_nosweep 40; graph_layer 40; fi
     exit $rc
 fi
 if [ "${1:-}" = packing ]; then

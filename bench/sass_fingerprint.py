@@ -15,12 +15,17 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# integer kernels: floating-point fusion changes nothing here; set, it silences Triton 3.9's warning about its default
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+from _refuse import fail, out_file  # noqa: E402  (bench/, the script's own directory, is first on sys.path)
 
 from trainerkit import fingerprint_gpu as fg  # noqa: E402
 from trainerkit import fingerprint_kernels as fk  # noqa: E402
@@ -81,9 +86,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
     args = ap.parse_args()
+    out = out_file(args.out)
     if not fk.HAVE_TRITON:
-        print("sass_fingerprint: needs Triton (pip install triton)", file=sys.stderr)
-        return 2
+        fail("needs Triton (pip install triton)")
     import triton
     wpt = fg.DEFAULT["wpt"]
     rows = []
@@ -93,9 +98,10 @@ def main() -> int:
             rows.append({"dtype": dtype, "narrow": narrow, "per_word": mix})
             print(f"{dtype} narrow={narrow!s:5}  per word: {mix['total']:5.2f} instructions, ALU {mix['alu']:5.2f},"
                   f" multiply-add {mix['fma']:5.2f}, memory {mix['mem']:4.2f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"triton": triton.__version__, "target": "sm_90",
-                                              "options": fg.DEFAULT, "rows": rows}, indent=1) + "\n")
+    if out:
+        geometry = {k: fg.DEFAULT[k] for k in ("num_warps", "wpt", "nsub", "stages")}
+        out.write_text(json.dumps({"triton": triton.__version__, "target": "sm_90", "geometry": geometry,
+                                   "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -117,7 +117,7 @@ def test_matches_cpu_definition(dtype, size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("pack,loop,narrow", [(p, "static", True) for p in fg.PACKS]
+@pytest.mark.parametrize("pack,loop,narrow", [(p, "static", False) for p in fg.PACKS]
                          + [("reshape", "dynamic", True), ("reshape", "dynamic", False)])
 def test_every_alignment_class_and_pack_agrees(pack, loop, narrow, dtype):
     """Every alignment class (offset views of one buffer: 16-byte aligned, 8-byte aligned, and each
@@ -177,7 +177,8 @@ def test_many_equals_per_tensor(pack, loop, narrow):
     ts = _mixed_list()
     want = [ref(t) for t in ts]
     assert fg.fingerprint_many(ts, pack=pack, loop=loop, narrow=narrow, **SMALL) == want
-    assert fg.fingerprint_hex_many_device(ts, pack=pack, **SMALL) == [f"{v:016x}" for v in want]  # cached plan
+    opts = {"pack": pack, "loop": loop, "narrow": narrow, **SMALL}
+    assert fg.fingerprint_hex_many_device(ts, **opts) == [f"{v:016x}" for v in want]  # the cached plan
     assert [fg.fingerprint_device(t, **SMALL) for t in ts[::13]] == want[::13]
     assert fg.fingerprint_many([]) == []
 
@@ -213,6 +214,13 @@ def test_bad_options_are_rejected():
         fg.fingerprint_device(t, wpt=3)
     with pytest.raises(ValueError, match="narrow"):
         fg.fingerprint_device(t, narrow="yes")
+    with pytest.raises(ValueError, match="narrow=True needs loop='dynamic'"):
+        fg.fingerprint_device(t, narrow=True, loop="static")
+    for bad in ({"wpt": 8.0}, {"nsub": True}, {"num_warps": "4"}):
+        with pytest.raises(ValueError, match="must be an int"):
+            fg.fingerprint_device(t, **bad)
+    with pytest.raises(ValueError, match="narrow"):
+        fg.word_sums([], [], [], 1, narrow="yes")
 
 
 def test_term_at_large_word_indices():

@@ -163,6 +163,11 @@ def _cfg(overrides: dict) -> dict:
         raise ValueError(f"loop must be one of {LOOPS}")
     if not isinstance(cfg["narrow"], bool):
         raise ValueError("narrow must be True or False")
+    if cfg["narrow"] and cfg["loop"] != "dynamic":
+        raise ValueError("narrow=True needs loop='dynamic' (the static loop has no narrow form)")
+    for k in ("num_warps", "wpt", "nsub", "stages"):
+        if type(cfg[k]) is not int:       # (bool is an int; 8.0 would pass the range checks and fail in the kernel)
+            raise ValueError(f"{k} must be an int, not {cfg[k]!r}")
     if cfg["num_warps"] not in (1, 2, 4, 8, 16, 32) or cfg["nsub"] < 1 or cfg["wpt"] not in (1, 2, 4, 8, 16) \
             or cfg["stages"] not in (1, 2, 3, 4, 5):
         raise ValueError("num_warps must be a power of two <= 32, wpt 1, 2, 4, 8 or 16, nsub >= 1, stages 1-5")
@@ -278,7 +283,11 @@ def fingerprint_many(tensors, **options) -> list[int]:
     CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run through the Triton kernels: one fill +
     one launch per (element size, alignment class) for all contiguous tensors + one per non-contiguous view,
     per device; only 8 bytes per tensor come back.  Other CPU tensors use the reference implementation.
-    options (speed only, never the values): num_warps, wpt, nsub, pack (see `DEFAULT`).
+    options (speed only, never the values): num_warps, wpt, nsub, pack, loop, stages, narrow (see `DEFAULT`).
+
+    Raises:
+        TypeError: an unknown option.  ValueError: an option's value out of its range, or narrow without the
+            dynamic loop.  TritonUnavailableError: CUDA tensors and no Triton.
     """
     return fingerprint_many_async(tensors, **options).result()
 
@@ -311,9 +320,9 @@ def word_sums(pieces, word_bases, slots, nslots: int, **options) -> list[int]:
     if not HAVE_TRITON:
         raise TritonUnavailableError("word_sums needs Triton (pip install triton)")
     pieces = [p.detach().reshape(-1) for p in pieces]
+    cfg = _cfg(options)
     if not pieces:
         return [0] * nslots
-    cfg = _cfg(options)
     key = tuple(zip((int(b) for b in word_bases), (int(s) for s in slots)))
     device = pieces[0].device
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():

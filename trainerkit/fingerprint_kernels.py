@@ -26,7 +26,8 @@ a 64-bit xor-shift 2 shifts + 2 logic ops, so the ALU pipe (16 lanes per SM sub-
 pipe's rate) bounds the kernel: in the sm_90 SASS (ptxas of Triton 3.9) the whole-word loop costs 49 instructions
 per word, 30 of them on the ALU pipe, which on an H200 (132 SMs, ~1.98 GHz) caps it near 4.4 TB/s, about its
 HBM read rate: measured 0.80-0.88 of torch.sum there, 0.99-1.05 on an H100 (3.35 TB/s HBM).  The narrow loop
-(`_words_block_dyn`) brings that to 41.5 per word, 24 on the ALU pipe, with 128-bit loads.  (The former
+(`_words_block_dyn`, off by default: `fingerprint_gpu.DEFAULT`) brings that to 41.5 per word, 24 on the ALU pipe,
+with 128-bit loads (`bench/sass_fingerprint.py`; the GPU machine's Triton 3.6 ships another ptxas).  (The former
 per-element definition, fp64v1, was integer-issue bound at ~1.4 TB/s for bf16.)  `bench/bench_fingerprint_gpu.py`
 measures it against torch.sum and a device-to-device copy.
 
