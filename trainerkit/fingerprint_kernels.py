@@ -8,7 +8,9 @@ of words with wrapping uint64 adds and adds its block sum to the tensor's accumu
 ``atomic_add`` (exact, wraps mod 2^64: any order of programs gives the same bits).
 
 * Contiguous tensors are read as uint64 words (`_contig_kernel`; the pointer is cast in-kernel).  A tensor
-  whose data pointer is 16-byte aligned (every allocator-made tensor) gets two words per vector load; one that
+  whose data pointer is 8-byte aligned is read word by word (the wide loop: one 64-bit load per word, the cast
+  hides the pointer's alignment from the compiler, seen in the SASS) or, in the narrow loop, two words per 128-bit
+  load where it is 16-byte aligned (every allocator-made tensor); one that
   starts MIS bytes past an 8-byte boundary (a view at an odd offset) loads the aligned words around each of
   its words and funnel-shifts them together.  Bytes outside the tensor that such whole-word loads read (before
   its first byte, after its last) are shifted or masked off: an aligned 8-byte word holding a byte of the
