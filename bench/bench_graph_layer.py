@@ -57,8 +57,7 @@ def _run_config(case: Path) -> RunConfig:
     return load_case(case, only=[], overrides={"device": "cpu"}).runs[0].config
 
 
-def _build(case: Path, device: str, dtype: torch.dtype, seed: int = 0):
-    run = _run_config(case)
+def _build(run: RunConfig, device: str, dtype: torch.dtype, seed: int = 0):
     cfg, s, b = run.model, run.training.seq_length, run.training.micro_batch_size
     torch.manual_seed(seed)
     layer = TransformerLayer(cfg, moe=True).to(device=device, dtype=dtype)
@@ -99,12 +98,12 @@ def _time(fn, module, x, dy, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def measure(case: Path, iters: int) -> dict:
-    dtype = getattr(torch, _run_config(case).params_dtype)
+def measure(case: Path, run: RunConfig, iters: int) -> dict:
+    dtype = getattr(torch, run.params_dtype)
     out: dict = {"case": str(case.relative_to(ROOT)), "gpu_dtype": str(dtype).replace("torch.", "")}
-    module, x, dy = _build(case, "cpu", torch.float32)
+    module, x, dy = _build(run, "cpu", torch.float32)
     out["cpu_eager_ms"] = _time(module, module, x, dy, iters, cuda=False)
-    module, x, dy = _build(case, "cuda", dtype)
+    module, x, dy = _build(run, "cuda", dtype)
     out["cuda_eager_ms"] = _time(module, module, x, dy, iters, cuda=True)
     eager = _step(module, module, x, dy)
     try:
@@ -137,11 +136,12 @@ def main() -> int:
     if not all(n.strip() for n in names):
         fail(f"--cases {args.cases!r}: an empty case name")
     cases = [(ROOT / n).resolve() for n in names]
+    runs = []                                         # each case read once, before anything is measured
     for name, case in zip(names, cases):
         if ROOT not in case.parents or not case.is_file():
             fail(f"--cases: {name!r} is not a case file of this repository")
         try:
-            _run_config(case)
+            runs.append(_run_config(case))
         except UsageError as err:
             fail(f"--cases: {err}")
     if not torch.cuda.is_available():
@@ -150,7 +150,7 @@ def main() -> int:
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": args.iters,
-               "cases": [measure(c, args.iters) for c in cases]}
+               "cases": [measure(c, run, args.iters) for c, run in zip(cases, runs)]}
     for r in results["cases"]:
         line = f"{r['case']}: cpu {r['cpu_eager_ms']:.2f} ms, cuda eager {r['cuda_eager_ms']:.2f} ms"
         line += (f", graphed {r['cuda_graphed_ms']:.3f} ms (x{r['graphed_over_eager']:.1f} over eager, "
