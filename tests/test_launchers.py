@@ -39,18 +39,20 @@ def test_torchrun_matches_fork(tmp_path):
 
 
 def test_the_forkserver_preloads_megatron_only_for_one_source_on_cpu(monkeypatch):
-    """One megatron for every run: imported once in the forkserver; two (verify --megatron-base) or CUDA: each
-    rank imports its own (a preloaded megatron would be the wrong one, `megatron_trainer.source.activate`)."""
+    """One megatron for every run (the interpreter's own or one directory): imported once in the forkserver, from
+    that directory; two (verify --megatron-base) or CUDA: each rank imports its own (a preloaded megatron would be
+    the wrong one, `megatron_trainer.source.activate`)."""
     from harness.planning.cases import load_case
     from harness.running import runner
     seen = []
-    monkeypatch.setattr(runner, "_set_preload", seen.append)
+    monkeypatch.setattr(runner, "_set_preload", lambda modules, source=None: seen.append((modules, source)))
     config = load_case(ROOT / "cases" / "smoke.yaml").runs[0].config
     mc = config.model_copy(update={"trainer": "megatron-core"})
-    for configs, megatron in (([config], False), ([config, mc], True),
-                              ([mc, mc.model_copy(update={"megatron_path": "/a"})], False),
-                              ([mc.model_copy(update={"megatron_path": "/a"})] * 2, False),
-                              ([mc.model_copy(update={"device": "cuda"})], False)):
+    for configs, megatron, source in (([config], False, None), ([config, mc], True, None),
+                                      ([mc, mc.model_copy(update={"megatron_path": "/a"})], False, None),
+                                      ([mc.model_copy(update={"megatron_path": "/a"})] * 2, True, "/a"),
+                                      ([mc.model_copy(update={"device": "cuda"})], False, None)):
         runner.preload(configs)
-        assert ("megatron_trainer.preload" in seen[-1]) == megatron, (configs, seen[-1])
-        assert seen[-1][0] == "reference_impl.worker"
+        modules, preloaded_from = seen[-1]
+        assert ("megatron_trainer.preload" in modules) == megatron, (configs, modules)
+        assert modules[0] == "reference_impl.worker" and preloaded_from == source, (configs, seen[-1])

@@ -73,6 +73,35 @@ def test_identical_sources_pass_and_are_named(tmp_path):
             assert header["settings"]["megatron_path"] == path, (run, rank)
 
 
+# megatron-core's package, planted: each process that imports it appends its pid to the file the test names
+_IMPORTED = "\nimport megatron.core.utils\n"
+_IMPORTED_LOGGED = ("\nimport os as _bp_os\n"
+                    "if _bp_os.environ.get('BITPARITY_TEST_IMPORT_LOG'):\n"
+                    "    open(_bp_os.environ['BITPARITY_TEST_IMPORT_LOG'], 'a').write(f'{_bp_os.getpid()}\\n')\n"
+                    "import megatron.core.utils\n")
+
+
+def test_one_head_is_imported_once_by_the_forkserver_not_by_every_rank(tmp_path):
+    """Every run on one source (here a copy given as --megatron-head): the forkserver imports it once, from that
+    directory, and the ranks fork with it loaded.  Imports of the copy: the validator (a process of its own, as
+    for any source the harness does not import) and the forkserver, not one per rank (6 ranks: the baseline's 2
+    and the standalone run's 4; ~4 s of CPU each on 2 cores)."""
+    log = tmp_path / "imports.txt"
+    head = planted_megatron(tmp_path / "head", {"megatron/core/__init__.py": [(_IMPORTED, _IMPORTED_LOGGED)]})
+    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--only", STANDALONE, "--megatron-head", head,
+                   env={"BITPARITY_TEST_IMPORT_LOG": str(log)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    report = tmp_path / "out" / CASE.stem
+    ranks = 0
+    for run in (BASELINE, STANDALONE):
+        for trace in sorted((report / "runs" / run).glob("rank*.jsonl")):
+            header = json.loads(trace.read_text().splitlines()[0])
+            assert header["settings"]["megatron_path"] == str(head.resolve()), (run, trace.name)
+            ranks += 1
+    assert ranks == 6
+    assert len(log.read_text().split()) == 2, log.read_text()
+
+
 def test_a_planted_megatron_change_fails_at_the_mtp_loss(tmp_path):
     head = planted_megatron(tmp_path / "head", {MTP: [SWAP]})
     proc, summary = _verify(tmp_path / "out", "--megatron-base", "installed", "--megatron-head", head)

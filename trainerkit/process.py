@@ -25,6 +25,9 @@ IMPORTED_BY = os.getpid()               # forkserver ranks inherit this: the for
 #: the modules the harness's forkserver preloads, comma-separated (set by `harness.running.runner`, read by
 #: `trainerkit.preload`, whose import does the preloading)
 PRELOAD_ENV = "BITPARITY_FORKSERVER_PRELOAD"
+#: the directory a trainer's library preload imports its library from (a megatron_path: a Megatron-LM checkout
+#: or a planted copy); empty: the interpreter's own (set by `harness.running.runner`)
+PRELOAD_SOURCE_ENV = "BITPARITY_FORKSERVER_SOURCE"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 # loaded once here: die_with_parent also runs between fork and exec (the runner's torchrun preexec_fn)

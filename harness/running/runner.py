@@ -40,11 +40,13 @@ WORKERS = {name: t.worker for name, t in trainers.REGISTRY.items()}
 PRELOAD_GUARD = "trainerkit.preload"
 
 
-def _set_preload(modules: list[str]) -> None:
+def _set_preload(modules: list[str], source: Optional[str] = None) -> None:
     """Have a forkserver started from now on import `modules` (through `PRELOAD_GUARD`, which reads them from
-    the environment the forkserver inherits: the variable stays set, read only by that module)."""
-    from trainerkit.process import PRELOAD_ENV
+    the environment the forkserver inherits: the variables stay set, read only by the preload modules), a
+    trainer's library from `source` (a directory; None: the interpreter's own)."""
+    from trainerkit.process import PRELOAD_ENV, PRELOAD_SOURCE_ENV
     os.environ[PRELOAD_ENV] = ",".join(modules)
+    os.environ[PRELOAD_SOURCE_ENV] = source or ""
     _CTX.set_forkserver_preload([PRELOAD_GUARD])
 
 
@@ -75,17 +77,20 @@ def _reap(p, timeout: Optional[float] = None) -> bool:
 def preload(configs) -> None:
     """Have the forkserver import the workers of these runs' trainers before it forks ranks (call before the
     first run: a forkserver already running keeps its preload, and its ranks then import the trainer
-    themselves).  megatron-core itself (`megatron_trainer.preload`) only when every megatron run imports the
-    interpreter's own (``megatron_path`` None: the forkserver starts from the interpreter's path, not from a
-    source the harness put on its own sys.path) and none runs on CUDA: importing megatron initialises CUDA,
-    which a forked rank then cannot use."""
+    themselves).  megatron-core itself (`megatron_trainer.preload`) only when every megatron run imports the same
+    one (one ``megatron_path``: the interpreter's own, or a checkout or planted copy the forkserver puts first on
+    its path, as each rank would) and none runs on CUDA: importing megatron initialises CUDA, which a forked rank
+    then cannot use.  A megatron the ranks import themselves costs each rank its import (~4 s of CPU on 2 cores,
+    and a planted copy has no byte code to reuse), a 16-rank run ~1 CPU-minute."""
     configs = list(configs)
     names = (DEFAULT_TRAINER, *sorted({c.trainer for c in configs} - {DEFAULT_TRAINER}))
     modules = [WORKERS[t] for t in names]
-    megatron = [c for c in configs if trainers.runs_megatron(c.trainer)]
-    if megatron and {c.megatron_path for c in megatron} == {None} and not any(c.device == "cuda" for c in configs):
+    sources = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer)}
+    source = None
+    if len(sources) == 1 and not any(c.device == "cuda" for c in configs):
         modules += [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
-    _set_preload(modules)
+        source = sources.pop()
+    _set_preload(modules, None if source is None else str(source))
     # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
     # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
     # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone.
