@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh table     the dsv3 four-run table, GPU against this box's CPU cores (bench_gpu_cpu), the
 #                                       fingerprint against torch.sum without the sweep (the former kernel beside it),
 #                                       one MoE layer on a CPU core / GPU eager / GPU graphed (bench_graph_layer), the
-#                                       fingerprint kernel tests
+#                                       grouped-expert, MoE host-read and fingerprint kernel tests
 #   bash bench/gpu_session.sh packing   dsv3-gpu's 16-rank runs packed 1, 2, 4 ranks per core (PACKING_SETTINGS), with
 #                                       and without MPS (bench_packing, bits compared across settings); the
 #                                       grouped-expert and MoE host-read tests on the GPU
@@ -68,6 +68,8 @@ if [ "${1:-}" = packing ]; then
     exit 0
 fi
 if [ "${1:-}" = table ]; then
+    echo "== grouped-expert and MoE host-read tests"; timeout 120 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_grouped_experts.py tests/test_expert_parallel.py 2>&1 | tail -15
     echo "== dsv3: GPU against CPU, side by side"; timeout 400 python3 bench/bench_gpu_cpu.py --out "$OUT/gpu_cpu.json" 2>&1 | tail -8
     fingerprint_nosweep
     graph_layer

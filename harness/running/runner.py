@@ -85,7 +85,9 @@ def preload(configs) -> None:
     configs = list(configs)
     names = (DEFAULT_TRAINER, *sorted({c.trainer for c in configs} - {DEFAULT_TRAINER}))
     modules = [WORKERS[t] for t in names]
-    sources = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer)}
+    # a megatron_path naming the interpreter's own megatron (``--megatron-base installed``) is that one
+    sources = {None if trainers.imported_here(c) else c.megatron_path
+               for c in configs if trainers.runs_megatron(c.trainer)}
     source = None
     if len(sources) == 1 and not any(c.device == "cuda" for c in configs):
         modules += [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
