@@ -49,12 +49,13 @@ def test_the_forkserver_preloads_megatron_only_for_one_source_on_cpu(monkeypatch
     monkeypatch.setattr(runner, "_set_preload", lambda modules, source=None: seen.append((modules, source)))
     config = load_case(ROOT / "cases" / "smoke.yaml").runs[0].config
     mc = config.model_copy(update={"trainer": "megatron-core"})
-    own = megatron_source()["path"] if megatron_source() else "/nonexistent"      # --megatron-base installed
+    # --megatron-base installed beside the interpreter's own: two spellings, each rank imports its own
+    own = megatron_source()["path"] if megatron_source() else "/nonexistent"
     for configs, megatron, source in (([config], False, None), ([config, mc], True, None),
                                       ([mc, mc.model_copy(update={"megatron_path": "/a"})], False, None),
                                       ([mc.model_copy(update={"megatron_path": "/a"})] * 2, True, "/a"),
                                       ([mc.model_copy(update={"device": "cuda"})], False, None),
-                                      ([mc, mc.model_copy(update={"megatron_path": own})], True, None)):
+                                      ([mc, mc.model_copy(update={"megatron_path": own})], False, None)):
         runner.preload(configs)
         modules, preloaded_from = seen[-1]
         assert ("megatron_trainer.preload" in modules) == megatron, (configs, modules)

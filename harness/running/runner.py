@@ -85,9 +85,11 @@ def preload(configs) -> None:
     configs = list(configs)
     names = (DEFAULT_TRAINER, *sorted({c.trainer for c in configs} - {DEFAULT_TRAINER}))
     modules = [WORKERS[t] for t in names]
-    # a megatron_path naming the interpreter's own megatron (``--megatron-base installed``) is that one
-    sources = {None if trainers.imported_here(c) else c.megatron_path
-               for c in configs if trainers.runs_megatron(c.trainer)}
+    # by megatron_path as written: None is what the forkserver's own path imports, which is not the harness's
+    # path when --megatron-head has put a head first on it (`planning.sources.use_head`; the forkserver imports its
+    # preload before it takes the harness's sys.path, measured on 3.11), so a head the harness imports is still
+    # its directory here, and `megatron_trainer.preload` puts it first
+    sources = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer)}
     source = None
     if len(sources) == 1 and not any(c.device == "cuda" for c in configs):
         modules += [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
