@@ -34,8 +34,8 @@ SWAP = ("hidden_states = torch.cat((decoder_input, hidden_states), -1)",
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.newest_megatron]
 
 
-def _verify(out, *args):
-    proc = run_cli("verify", CASE, "--out", out, "--only", STANDALONE, *args)
+def _verify(out, *args, env=None):
+    proc = run_cli("verify", CASE, "--out", out, "--only", STANDALONE, *args, env=env)
     summary = out / CASE.stem / "summary.json"
     assert summary.exists(), proc.stdout + proc.stderr
     return proc, json.loads(summary.read_text())
@@ -88,8 +88,7 @@ def test_one_head_is_imported_once_by_the_forkserver_not_by_every_rank(tmp_path)
     and the standalone run's 4; ~4 s of CPU each on 2 cores)."""
     log = tmp_path / "imports.txt"
     head = planted_megatron(tmp_path / "head", {"megatron/core/__init__.py": [(_IMPORTED, _IMPORTED_LOGGED)]})
-    proc = run_cli("verify", CASE, "--out", tmp_path / "out", "--only", STANDALONE, "--megatron-head", head,
-                   env={"BITPARITY_TEST_IMPORT_LOG": str(log)})
+    proc, _ = _verify(tmp_path / "out", "--megatron-head", head, env={"BITPARITY_TEST_IMPORT_LOG": str(log)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     report = tmp_path / "out" / CASE.stem
     ranks = 0

@@ -85,16 +85,15 @@ def preload(configs) -> None:
     configs = list(configs)
     names = (DEFAULT_TRAINER, *sorted({c.trainer for c in configs} - {DEFAULT_TRAINER}))
     modules = [WORKERS[t] for t in names]
-    # by megatron_path as written: None is what the forkserver's own path imports, which is not the harness's
-    # path when --megatron-head has put a head first on it (`planning.sources.use_head`; the forkserver imports its
-    # preload before it takes the harness's sys.path, measured on 3.11), so a head the harness imports is still
-    # its directory here, and `megatron_trainer.preload` puts it first
+    # megatron_path as written, never mapped to None: None is what the forkserver's *own* path imports (CPython's
+    # forkserver imports its preload before it takes the harness's sys.path), not the head --megatron-head put first
+    # on the harness's (`planning.sources.use_head`); `megatron_trainer.preload` puts a named directory first
     sources = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer)}
     source = None
     if len(sources) == 1 and not any(c.device == "cuda" for c in configs):
         modules += [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
         source = sources.pop()
-    _set_preload(modules, None if source is None else str(source))
+    _set_preload(modules, source)
     # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
     # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
     # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone.
