@@ -117,6 +117,41 @@ def test_a_bad_option_is_one_line_from_the_command_line(tmp_path, option, fragme
     _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out", "variant 'v'", fragment)
 
 
+# what the process knows of torch.compile once megatron's validation has imported megatron (a JSON line)
+_COMPILE_STATE = """
+import json, sys
+{call}
+import megatron.core.jit, torch
+print(json.dumps({{"dynamo": "torch._dynamo" in sys.modules,
+                  "fuser_is_compile": megatron.core.jit.jit_fuser is torch.compile}}))
+"""
+
+
+@pytest.mark.newest_megatron
+def test_the_command_imports_megatron_without_torch_compile_and_a_library_caller_with_it(tmp_path):
+    """`megatron_trainer.validate.checks_only`: the ``bitparity`` command (its own process, ``cli.main()`` with no
+    argv) imports megatron only to validate, so it imports it with ``torch.compile`` an identity and never loads
+    ``torch._dynamo`` (~1.5-1.9 s of CPU per ``verify`` of a megatron case); a library caller of the same
+    validation (`load_case` in a process that may compute with megatron) keeps megatron's real ``jit_fuser``."""
+    import subprocess
+    import sys
+
+    case = _bad_option_case(tmp_path, "min_lr: 0.5")     # refused by megatron's own validator: it was imported
+    command = ("from harness import cli\nsys.argv = ['bitparity', 'verify', %r, '--out', %r]\n"
+               "assert cli.main() == 2" % (str(case), str(tmp_path / "out")))
+    library = ("from harness.errors import UsageError\nfrom harness.planning.cases import load_case\n"
+               "try:\n    load_case(%r)\nexcept UsageError:\n    pass" % str(case))
+    states = {}
+    for who, call in (("command", command), ("library", library)):
+        done = subprocess.run([sys.executable, "-c", _COMPILE_STATE.format(call=call)], cwd=ROOT, text=True,
+                              capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        states[who] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert states == {"command": {"dynamo": False, "fuser_is_compile": False},
+                      "library": {"dynamo": True, "fuser_is_compile": True}}, states
+    assert not (tmp_path / "out").exists()
+
+
 def _bad_option_case(tmp_path, option: str):
     case = tmp_path / "case.yaml"
     case.write_text(f"extends: {SMALL}\nvariants:\n  - {{name: v, pipeline_model_parallel_layout: 'Et|t|t|tmL', "
