@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from trainerkit.capture import SEGMENT_DIR
 from trainerkit.config import DEFAULT_TRAINER
+from trainerkit.names import SEGMENT_DIR
 
 from .errors import UsageError
 from .judging import signature

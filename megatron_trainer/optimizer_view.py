@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from trainerkit import names
-from trainerkit.capture import OPTIMIZER_STATES
 from trainerkit.fingerprint_shard import Shard
+from trainerkit.names import OPTIMIZER_STATES
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,10 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FAULTS = ("grad_bit_flip", "nondeterministic_grad", "reset_optimizer_on_resume", "swap_backward_microbatches", "skip_final_norm_standalone", "double_final_norm_mtp", "overlap_skips_final_norm",
           "unsynced_embedding_replica", "mtp_loss_main_mask_count", "rescale_grads_per_microbatch",
@@ -87,6 +89,7 @@ def check(name):
 
 
 def _weightless_norm(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    import torch  # torch only where a fault acts: the harness imports this module to validate fault names
     hf = h.float()
     return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
@@ -195,16 +198,17 @@ def weight_decay(name, param_name, decay: bool) -> bool:
     return False if name == "wrong_wd_group" and param_name == WRONG_WD_TARGET else decay
 
 
-@torch.no_grad()
 def after_grads(name, step, params, num_layers):
     """Gradient faults, applied to the accumulated main_grads before capture.  params: (key, name, replica, p)."""
     if name not in ("grad_bit_flip", "nondeterministic_grad") or step != 0:
         return
+    import torch
     target = f"decoder.layers.{num_layers - 1}.self_attention.linear_q_down_proj.weight"
     for key, _, _, p, _ in params:
         if key == target:
-            flat = p.main_grad.view(-1).view(torch.int32)
-            flat[0] ^= 1 if name == "grad_bit_flip" else (os.getpid() & 0xFFFF) | 1
+            with torch.no_grad():
+                flat = p.main_grad.view(-1).view(torch.int32)
+                flat[0] ^= 1 if name == "grad_bit_flip" else (os.getpid() & 0xFFFF) | 1
 
 
 def after_resume(name, optimizer):

@@ -15,12 +15,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from trainerkit import names
-from trainerkit.capture import FORMAT, OPTIMIZER_STATES, CaptureClock, TraceWriter, dump_tensors, scalar
+from trainerkit.capture import FORMAT, CaptureClock, TraceWriter, dump_tensors, scalar
 from trainerkit.config import RunConfig
 from trainerkit.data import TokenDataset
 from trainerkit.fingerprint import PendingHex, fingerprint_hex_many, fingerprint_hex_many_async
 from trainerkit.init import init_parameters
 from trainerkit.layout import PipelineLayout
+from trainerkit.names import OPTIMIZER_STATES
 from trainerkit.schedule import build_schedule
 
 from . import checkpoint, faults

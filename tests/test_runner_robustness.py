@@ -244,6 +244,44 @@ def test_the_forkserver_is_born_with_sigint_blocked():
     assert int(proc.stdout.split()[-1]) & (1 << (signal.SIGINT - 1)), proc.stdout
 
 
+def test_a_passing_reference_verify_never_imports_torch_in_the_harness(tmp_path):
+    """The harness process validates, schedules, judges and reports without torch (~1.3 s of CPU per ``verify``
+    on 2 cores): the ranks and the forkserver have it, and the manifest's arithmetic facts come from a child of
+    the forkserver (`runner.in_forkserver`), the same facts torch gives in this process."""
+    code = textwrap.dedent(f"""
+        import json, sys
+        from harness import cli
+        sys.argv = ["bitparity", "verify", "cases/smoke.yaml", "--only", "pp4-mtp-standalone", "--out", {str(tmp_path)!r}]
+        code = cli.main()
+        print(json.dumps({{"code": code, "torch": "torch" in sys.modules}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 0, "torch": False}, proc.stdout[-2000:]
+    import torch
+    env = json.loads((tmp_path / "smoke" / "runs" / "pp4-mtp-standalone" / "manifest.json").read_text())["environment"]
+    assert env["aten_cpu_capability"] == torch.backends.cpu.get_cpu_capability(), env
+    assert env["torch_num_threads"] == torch.get_num_threads() and env["blas"] != "unknown", env
+
+
+def test_in_forkserver_answers_or_says_none_and_leaves_no_child(capfd):
+    """`runner.in_forkserver`: the answer of a child (another pid than this process's); None, with nothing on the
+    terminal, for a function that raises, a child that exits without answering, and one past its time (ended)."""
+    import functools
+    import multiprocessing
+
+    from harness.running import runner
+    pid = runner.in_forkserver(os.getpid)
+    assert isinstance(pid, int) and pid != os.getpid()
+    started = time.monotonic()
+    for fn, timeout_s in ((dict.fromkeys, 60.0), (sys.exit, 60.0), (functools.partial(time.sleep, 60), 1.0)):
+        assert runner.in_forkserver(fn, timeout_s=timeout_s) is None, fn
+    assert time.monotonic() - started < 30
+    assert not multiprocessing.active_children()
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err, err
+
+
 def test_an_interrupt_python_swallowed_still_stops_the_harness():
     """A KeyboardInterrupt raised inside a __del__ or weakref callback (importlib's module lock, on CI) is
     printed as "Exception ignored" and dropped; the harness's waiting loops still stop (harness.running.interrupt)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import json
 import queue
-import re
 import threading
 import time
 from contextlib import contextmanager
@@ -42,9 +41,6 @@ from .fingerprint import PendingHex, fingerprint_hex_many_async, float_bits_hex
 from .fingerprint_shard import Shard, partial_many
 
 FORMAT = "bitparity-rank-trace/2"
-#: Adam's per-parameter moments as torch's and Megatron's optimizers name them: the step record fields that
-#: carry their fingerprints after the update (TRACE_FORMAT.md)
-OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 
 def scalar(t: torch.Tensor) -> dict:
@@ -191,10 +187,6 @@ def _timed(method):
     return timed
 
 
-#: The name of a resumed job's trace directory inside its job's (`segment_dir`): ``iter`` and 7 digits.
-SEGMENT_DIR = re.compile(r"^iter\d{7}$")
-
-
 def segment_dir(out_dir: Path, first_iteration: int) -> Path:
     """Where a job that starts at iteration `first_iteration` writes its rank traces: ``out_dir`` for a job from
     scratch, ``out_dir/iter{N:07d}`` for one resumed from a checkpoint of N iterations (Megatron-LM's ``--load``,
@@ -285,16 +277,16 @@ class RankCapture:
 
     @_timed
     def optimizer_state(self, states: dict) -> None:
-        """Fingerprint Adam's moments after the optimizer step: {`OPTIMIZER_STATES` name: [tensor] aligned with
+        """Fingerprint Adam's moments after the optimizer step: {`names.OPTIMIZER_STATES` name: [tensor] aligned with
         `keys`}, each tensor the shape of what the optimizer steps (the fp32 master, or this rank's range of it
         under the distributed optimizer; TRACE_FORMAT.md).
 
         Raises:
-            ValueError: a name that is not one of `OPTIMIZER_STATES`."""
+            ValueError: a name that is not one of `names.OPTIMIZER_STATES`."""
         self._step_record()
         for name, tensors in states.items():
-            if name not in OPTIMIZER_STATES:
-                raise ValueError(f"optimizer state {name!r} is not one of {OPTIMIZER_STATES}")
+            if name not in names.OPTIMIZER_STATES:
+                raise ValueError(f"optimizer state {name!r} is not one of {names.OPTIMIZER_STATES}")
             self._pending[name] = self._start(tensors)
 
     @_timed

@@ -20,6 +20,14 @@ _SECTION = (("embedding.", 0), ("decoder.layers.", 1), ("decoder.final_layernorm
 _LAYER_ID = re.compile(r"^(?:decoder|mtp)\.layers\.(\d+)\.")
 
 
+#: Adam's per-parameter moments as torch's and Megatron's optimizers name them: the step record fields that
+#: carry their fingerprints after the update (TRACE_FORMAT.md)
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
+
+#: The name of a resumed job's trace directory inside its job's (`trainerkit.capture.segment_dir`): ``iter`` and
+#: 7 digits.
+SEGMENT_DIR = re.compile(r"^iter\d{7}$")
+
 #: Leaves of the persistent state buffers the trainers trace (``buffers`` in TRACE_FORMAT.md): the routers'
 #: ``expert_bias`` (megatron's name, the reference's too).  Not parameters: no gradient, no optimizer state, not
 #: in the inventory; a difference there is a ``buffer`` difference (`harness.judging.compare`), not a ``param`` one.

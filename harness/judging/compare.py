@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from trainerkit import names
-from trainerkit.capture import OPTIMIZER_STATES
+from trainerkit.names import OPTIMIZER_STATES
 
 from .results import FAMILIES, FirstDivergence
 from .trace import StepTrace, Trace

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from trainerkit import fingerprint_shard, names
-from trainerkit.capture import OPTIMIZER_STATES
+from trainerkit import names
 from trainerkit.config import ranks_per_stage
+from trainerkit.names import OPTIMIZER_STATES
 
 RANK_FORMAT = "bitparity-rank-trace/2"
 FORMAT = "bitparity-trace/2"
@@ -291,6 +291,10 @@ def _combine_shards(partials: dict, params: dict, init: dict, steps: dict, resum
     Raises:
         TraceError: the partials do not tile the tensor (a shard missing, held twice, outside the tensor), or
             a rank holds fewer shards than the header says, naming step, part, key and ranks."""
+    if not partials:
+        return
+    from trainerkit import fingerprint_shard  # here, for sharded runs only: it imports torch
+
     for (step, part, key), recs in partials.items():
         where = f"{step if step in ('init', 'resumed') else f'step {step}'} {part} {key}"
         meta = params.get(key)

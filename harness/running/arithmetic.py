@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
+from typing import Optional
 
 #: Environment variables that select another arithmetic on the same machine (recorded as set or unset).
 ARITHMETIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
@@ -117,9 +118,10 @@ def arithmetic_facts() -> dict:
     return facts
 
 
-def environment() -> dict:
+def environment(arithmetic: Optional[dict] = None) -> dict:
     """Facts that bitwise results depend on (recorded in every manifest and shown in the report): versions,
-    platform, and the machine's arithmetic (`harness.running.arithmetic.arithmetic_facts`)."""
+    platform, and the machine's arithmetic: `arithmetic` when measured elsewhere (`arithmetic_facts` in a child
+    of the runner's forkserver, `harness.running.runner.in_forkserver`), else `arithmetic_facts` here."""
     def version(dist: str) -> str:
         try:
             return metadata.version(dist)
@@ -128,4 +130,4 @@ def environment() -> dict:
     return {"torch": version("torch"), "bitparity": version("bitparity"),
             "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "hostname": socket.gethostname(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **arithmetic_facts()}
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **(arithmetic or arithmetic_facts())}
