@@ -40,6 +40,21 @@ def verify_once(tmp_path_factory, case, *args, timeout=900) -> tuple[subprocess.
     return subprocess.CompletedProcess(["verify", str(case), *map(str, args)], code, stdout, stderr), out
 
 
+def refusal(case, **load_case_args) -> str:
+    """The one line `load_case` refuses `case` with, in this process: what ``bitparity verify CASE`` prints after
+    ``bitparity: error:``, exit 2, nothing written (the command treats every UsageError alike: test_cli_errors, and
+    one command-line case per family of refusals, check that path).  A megatron case's refusal through the command
+    line costs its own interpreter, torch and megatron (~3-5 s of CPU on 2 cores); here megatron is imported once
+    per worker."""
+    from harness.errors import UsageError
+    from harness.planning.cases import load_case
+    with pytest.raises(UsageError) as refused:
+        load_case(case, **load_case_args)
+    line = str(refused.value)
+    assert "\n" not in line, line
+    return line
+
+
 def variants(report: Path) -> dict:
     """{variant name: its entry} of a case report directory's ``summary.json`` (``OUT/<case name>``)."""
     return {v["name"]: v for v in json.loads((Path(report) / "summary.json").read_text())["variants"]}

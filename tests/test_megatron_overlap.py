@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli, variants, verify_once  # noqa: E402
+from conftest import ROOT, refusal, run_cli, variants, verify_once  # noqa: E402
 from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 from test_cli_errors import _check_usage_error  # noqa: E402
 
@@ -141,11 +141,22 @@ def test_the_expert_data_parallel_replicas_are_checked(tmp_path, planted):
     ("  expert_model_parallel_size: 2\n", ["expert_model_parallel_size 2 needs a data_parallel_size"]),
 ])
 def test_what_cannot_run_is_one_line(tmp_path, variant, fragments):
+    line = refusal(_bad_case(tmp_path, variant))
+    assert all(f in line for f in fragments), line
+
+
+def test_what_cannot_run_is_one_line_from_the_command_line(tmp_path):
+    case = _bad_case(tmp_path, "  expert_model_parallel_size: 2\n")
+    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out",
+                       "expert_model_parallel_size 2 needs a data_parallel_size")
+
+
+def _bad_case(tmp_path, variant: str):
     case = tmp_path / "bad.yaml"
     case.write_text(f"extends: {SMALL}\nname: bad\nvariants:\n  - name: v\n"
                     f"    pipeline_model_parallel_layout: \"Et|t|t|tmL\"\n    pipeline_model_parallel_size: 2\n"
                     + variant.replace("  ", "    ", 1).replace("\n  ", "\n    "))
-    _check_usage_error(run_cli("verify", case, "--out", tmp_path / "out"), tmp_path / "out", *fragments)
+    return case
 
 
 PROBE = """

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli, variants, verify_once  # noqa: E402
+from conftest import ROOT, refusal, run_cli, variants, verify_once  # noqa: E402
 from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 
 CASE = ROOT / "cases" / "megatron-resume.yaml"
@@ -141,13 +141,25 @@ def test_a_resharded_load_giving_an_ep_rank_another_ranks_experts_fails_at_the_l
 ])
 
 def test_a_resume_megatron_cannot_load_is_one_line(tmp_path, saver, resumer, fragment):
+    assert fragment in refusal(_resume_case(tmp_path, saver, resumer))
+
+
+def test_a_resume_megatron_cannot_load_is_one_line_from_the_command_line(tmp_path):
+    case = _resume_case(tmp_path, "{pipeline_model_parallel_layout: 'Et|t|t|tmL', pipeline_model_parallel_size: 2}",
+                        "{pipeline_model_parallel_layout: 'Ett|ttmL', pipeline_model_parallel_size: 2, "
+                        "trainer: reference}")
+    proc = run_cli("verify", case, "--out", tmp_path / "out")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "a run resumes from its own trainer's checkpoint" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.jsonl"))
+
+
+def _resume_case(tmp_path, saver: str, resumer: str):
     (tmp_path / "bad.yaml").write_text(
         f"extends: {ROOT / 'tests' / 'cases' / 'megatron-small.yaml'}\nname: bad\ntraining: {{train_iters: 3}}\n"
         f"baseline: {{name: saver, {saver[1:-1]}}}\n"
         f"variants:\n  - {{name: resumer, resume: {{variant: saver, after_step: 0}}, {resumer[1:-1]}}}\n")
-    proc = run_cli("verify", tmp_path / "bad.yaml", "--out", tmp_path / "out")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.jsonl"))
+    return tmp_path / "bad.yaml"
 
 
 @pytest.mark.newest_megatron

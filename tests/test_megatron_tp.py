@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli, variants, verify_once  # noqa: E402
+from conftest import ROOT, refusal, run_cli, variants, verify_once  # noqa: E402
 from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 
 CASE = ROOT / "cases" / "megatron-proxy.yaml"
@@ -152,16 +152,28 @@ def test_a_norm_gradient_not_reduced_over_tp_makes_the_tp_copies_drift_at_step_0
     ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1,
       "expert_model_parallel_size": 8}, "does not divide tensor_model_parallel_size x data_parallel_size"),
 ])
-def test_bad_tensor_parallel_input_is_one_line_and_exit_2(tmp_path, variant, fragment):
+def test_bad_tensor_parallel_input_is_one_line(tmp_path, variant, fragment):
+    assert fragment in refusal(_bad_tp_case(tmp_path, variant))
+
+
+@pytest.mark.newest_megatron
+def test_bad_tensor_parallel_input_is_one_line_and_exit_2_from_the_command_line(tmp_path):
+    case = _bad_tp_case(tmp_path, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                   "expert_tensor_parallel_size": 2, "expert_model_parallel_size": 2,
+                                   "data_parallel_size": 2})
+    proc = run_cli("verify", case, "--out", tmp_path / "out")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not run over gloo" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out" / "bad").exists()
+
+
+def _bad_tp_case(tmp_path, variant: dict):
     fields = {"name": "bad", "pipeline_model_parallel_layout": "Et|t|t|t|t|tmL", "pipeline_model_parallel_size": 2,
               **variant}
     (tmp_path / "bad.yaml").write_text(
         f"extends: {CASE}\nname: bad\nvariants:\n  - {json.dumps(fields)}\n")
-    proc = run_cli("verify", tmp_path / "bad.yaml", "--out", tmp_path / "out")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
-    assert not (tmp_path / "out" / "bad").exists()
+    return tmp_path / "bad.yaml"
 
 
 @pytest.mark.newest_megatron
@@ -181,10 +193,7 @@ def test_sizes_tensor_parallelism_cannot_split_are_one_line_before_any_rank(tmp_
               "expert_model_parallel_size": 2, "data_parallel_size": 2, **variant}
     (tmp_path / "bad.yaml").write_text(f"extends: {CASE}\nname: bad\nmodel: {json.dumps(model)}\n"
                                        f"variants:\n  - {json.dumps(fields)}\n")
-    proc = run_cli("verify", tmp_path / "bad.yaml", "--out", tmp_path / "out")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert fragment in refusal(tmp_path / "bad.yaml")
 
 
 def test_optimizer_instances_are_checked_against_the_expert_grid_of_tp():
