@@ -94,6 +94,10 @@ def preload(configs) -> None:
         modules += [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
         source = sources.pop()
     _set_preload(modules, source)
+    _start_forkserver()
+
+
+def _start_forkserver() -> None:
     # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
     # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
     # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone.
@@ -117,7 +121,9 @@ def in_forkserver(fn, timeout_s: float = 60.0):
     takes over `timeout_s` seconds (it is then ended and reaped).  For what needs torch (`harness.running.arithmetic`):
     the forkserver has imported it for the ranks, so the child answers in milliseconds where the harness would
     spend ~1.3 s of CPU importing torch itself, and it answers for the interpreter the ranks are forked from.
-    `fn` must be importable by name (a module-level function).  Starts the forkserver (`preload`) if need be."""
+    `fn` must be importable by name (a module-level function).  Call from the main thread, after `preload` (a
+    forkserver started here has the default preload, the reference trainer's)."""
+    _start_forkserver()
     receive, send = _CTX.Pipe(duplex=False)
     child = _CTX.Process(target=_answer, args=(fn, send), name="bitparity-facts", daemon=True)
     try:
