@@ -8,6 +8,11 @@ layer's ops take 1-3 us on a CPU core, so the GPU loses to the CPU.  A graph rep
 replay keeps the eager bits, before the schedules are built around it.
 
     python3 bench/bench_graph_layer.py [--cases cases/dsv3.yaml,cases/dsv3-gpu.yaml] [--iters 30] [--out FILE]
+                                       [--layers N] [--gpu-dtype case|bfloat16|float32]
+
+``--layers N``: N MoE layers in sequence, replayed as one graph (a P = 1 microbatch's decoder is 58 of them in the
+dsv3 cases); ``--gpu-dtype``: the GPU's parameter dtype instead of the case's (fp32 cannot be captured: torch's fp32
+grouped GEMM reads its group offsets to the host).
 
 Per case (its model and microbatch shape, params in the case's dtype on the GPU, fp32 on the CPU): median time
 per forward + backward over `--iters` iterations after warm-up (CUDA events around each iteration on the GPU;
@@ -42,14 +47,17 @@ from trainerkit.config import RunConfig  # noqa: E402
 
 
 class _LayerFn(nn.Module):
-    """x [s, b, h] -> the layer's output, with the RoPE tables bound (a graphed callable takes tensors only)."""
+    """x [s, b, h] -> the layers' output, one after the other, with the RoPE tables bound (a graphed callable takes
+    tensors only)."""
 
-    def __init__(self, layer: TransformerLayer, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, layers: list[TransformerLayer], cos: torch.Tensor, sin: torch.Tensor):
         super().__init__()
-        self.layer, self.cos, self.sin = layer, cos, sin
+        self.layers, self.cos, self.sin = nn.ModuleList(layers), cos, sin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x, self.cos, self.sin)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        return x
 
 
 def _run_config(case: Path) -> RunConfig:
@@ -57,15 +65,15 @@ def _run_config(case: Path) -> RunConfig:
     return load_case(case, only=[], overrides={"device": "cpu"}).runs[0].config
 
 
-def _build(run: RunConfig, device: str, dtype: torch.dtype, seed: int = 0):
+def _build(run: RunConfig, device: str, dtype: torch.dtype, layers: int, seed: int = 0):
     cfg, s, b = run.model, run.training.seq_length, run.training.micro_batch_size
     torch.manual_seed(seed)
-    layer = TransformerLayer(cfg, moe=True).to(device=device, dtype=dtype)
+    stack = [TransformerLayer(cfg, moe=True).to(device=device, dtype=dtype) for _ in range(layers)]
     cos, sin = (t.to(device, dtype) for t in rope_cos_sin(s, cfg.qk_pos_emb_head_dim, cfg.rotary_base))
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(s, b, cfg.hidden_size, generator=g).to(device, dtype)
     dy = torch.randn(s, b, cfg.hidden_size, generator=g).to(device, dtype)
-    return _LayerFn(layer, cos, sin), x, dy
+    return _LayerFn(stack, cos, sin), x, dy
 
 
 def _step(fn, module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list:
@@ -98,14 +106,26 @@ def _time(fn, module, x, dy, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def measure(case: Path, run: RunConfig, iters: int) -> dict:
-    dtype = getattr(torch, run.params_dtype)
-    out: dict = {"case": str(case.relative_to(ROOT)), "gpu_dtype": str(dtype).replace("torch.", "")}
-    module, x, dy = _build(run, "cpu", torch.float32)
+def _same_bits(a, b) -> bool:
+    """Bitwise equality that a NaN cannot spoil (torch.equal calls NaN unequal to itself; a stack of random,
+    untrained layers can overflow bf16)."""
+    if a is None or b is None or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
+def measure(case: Path, run: RunConfig, iters: int, layers: int = 1, gpu_dtype: str = "case") -> dict:
+    dtype = getattr(torch, run.params_dtype if gpu_dtype == "case" else gpu_dtype)
+    out: dict = {"case": str(case.relative_to(ROOT)), "gpu_dtype": str(dtype).replace("torch.", ""), "layers": layers}
+    module, x, dy = _build(run, "cpu", torch.float32, layers)
     out["cpu_eager_ms"] = _time(module, module, x, dy, iters, cuda=False)
-    module, x, dy = _build(run, "cuda", dtype)
+    module, x, dy = _build(run, "cuda", dtype, layers)
     out["cuda_eager_ms"] = _time(module, module, x, dy, iters, cuda=True)
     eager = _step(module, module, x, dy)
+    again = _step(module, module, x, dy)        # the control: eager against itself
+    out["eager_repeatable"] = all(_same_bits(a, b) for a, b in zip(eager, again))
+    out["finite"] = all(t is None or bool(torch.isfinite(t).all()) for t in eager)
     try:
         sample = x.detach().clone().requires_grad_(True)
         graphed = torch.cuda.make_graphed_callables(module, (sample,), num_warmup_iters=3,
@@ -115,9 +135,12 @@ def measure(case: Path, run: RunConfig, iters: int) -> dict:
         return out
     out["cuda_graphed_ms"] = _time(graphed, module, x, dy, iters, cuda=True)
     replay = _step(graphed, module, x, dy)
-    out["bits_equal"] = len(eager) == len(replay) and all(
-        a is not None and b is not None and torch.equal(a, b) for a, b in zip(eager, replay))
+    out["bits_equal"] = len(eager) == len(replay) and all(_same_bits(a, b) for a, b in zip(eager, replay))
     out["tensors_compared"] = len(eager)
+    if not out["bits_equal"]:       # which: 0 the output, 1 dx, then the parameters' gradients in module order
+        names = ["output", "dx"] + [n for n, _ in module.named_parameters()]
+        out["differing"] = [n for n, a, b in zip(names, eager, replay)
+                            if not _same_bits(a, b)][:20]
     out["graphed_over_cpu"] = out["cpu_eager_ms"] / out["cuda_graphed_ms"]
     out["graphed_over_eager"] = out["cuda_eager_ms"] / out["cuda_graphed_ms"]
     return out
@@ -128,10 +151,14 @@ def main() -> int:
     ap.add_argument("--cases", default="cases/dsv3.yaml,cases/dsv3-gpu.yaml")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out")
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--gpu-dtype", default="case", choices=("case", "bfloat16", "float32"))
     args = ap.parse_args()
     out = out_file(args.out)
     if args.iters < 1:
         fail(f"--iters {args.iters}: must be >= 1")
+    if not 1 <= args.layers <= 64:
+        fail(f"--layers {args.layers}: expected 1 to 64 (a dsv3 decoder has 58 MoE layers)")
     names = args.cases.split(",")
     if not all(n.strip() for n in names):
         fail(f"--cases {args.cases!r}: an empty case name")
@@ -150,9 +177,9 @@ def main() -> int:
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": args.iters,
-               "cases": [measure(c, run, args.iters) for c, run in zip(cases, runs)]}
+               "cases": [measure(c, run, args.iters, args.layers, args.gpu_dtype) for c, run in zip(cases, runs)]}
     for r in results["cases"]:
-        line = f"{r['case']}: cpu {r['cpu_eager_ms']:.2f} ms, cuda eager {r['cuda_eager_ms']:.2f} ms"
+        line = f"{r['case']} ({r['layers']} layer(s), {r['gpu_dtype']} on the GPU): cpu {r['cpu_eager_ms']:.2f} ms, cuda eager {r['cuda_eager_ms']:.2f} ms"
         line += (f", graphed {r['cuda_graphed_ms']:.3f} ms (x{r['graphed_over_eager']:.1f} over eager, "
                  f"x{r['graphed_over_cpu']:.1f} over the CPU core), bits equal: {r['bits_equal']}"
                  if "graph_error" not in r else f", capture failed: {r['graph_error']}")
