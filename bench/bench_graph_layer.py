@@ -44,6 +44,7 @@ from harness.planning.cases import load_case  # noqa: E402
 from reference_impl.model.common import rope_cos_sin  # noqa: E402
 from reference_impl.model.layer import TransformerLayer  # noqa: E402
 from trainerkit.config import RunConfig  # noqa: E402
+from trainerkit.init import init_parameters  # noqa: E402
 
 
 class _LayerFn(nn.Module):
@@ -68,7 +69,15 @@ def _run_config(case: Path) -> RunConfig:
 def _build(run: RunConfig, device: str, dtype: torch.dtype, layers: int, seed: int = 0):
     cfg, s, b = run.model, run.training.seq_length, run.training.micro_batch_size
     torch.manual_seed(seed)
-    stack = [TransformerLayer(cfg, moe=True).to(device=device, dtype=dtype) for _ in range(layers)]
+    stack = []
+    for i in range(layers):
+        layer = TransformerLayer(cfg, moe=True)
+        # as the trainer does (trainerkit.init, by global name): the router weight is made with torch.empty, so a
+        # layer left as constructed routes on whatever the memory held (a stack of such layers went non-finite in
+        # some processes and not in others, 2026-12-07)
+        with torch.no_grad():
+            init_parameters([(f"decoder.layers.{i}.{n}", p) for n, p in layer.named_parameters()], cfg, seed)
+        stack.append(layer.to(device=device, dtype=dtype))
     cos, sin = (t.to(device, dtype) for t in rope_cos_sin(s, cfg.qk_pos_emb_head_dim, cfg.rotary_base))
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(s, b, cfg.hidden_size, generator=g).to(device, dtype)
