@@ -44,6 +44,7 @@ from harness.planning.cases import load_case  # noqa: E402
 from reference_impl.model.common import rope_cos_sin  # noqa: E402
 from reference_impl.model.layer import TransformerLayer  # noqa: E402
 from trainerkit.config import RunConfig  # noqa: E402
+from trainerkit.fingerprint import raw_bits  # noqa: E402
 from trainerkit.init import init_parameters  # noqa: E402
 
 
@@ -120,8 +121,7 @@ def _same_bits(a, b) -> bool:
     untrained layers can overflow bf16)."""
     if a is None or b is None or a.dtype != b.dtype or a.shape != b.shape:
         return False
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    return bool((raw_bits(a) == raw_bits(b)).all())
 
 
 def measure(case: Path, run: RunConfig, iters: int, layers: int = 1, gpu_dtype: str = "case") -> dict:
