@@ -59,8 +59,8 @@ class RankState:
         self.device = transport.device
         self.dtype = getattr(torch, cfg.params_dtype)
         # collective (dist.new_group on every rank, same order): before any other group is made
-        self.ep = ExpertParallel.build(par.pipeline_model_parallel_size, ep_size, rank,
-                                       transport.staged) if ep_size > 1 else None
+        self.ep = ExpertParallel.build(par.pipeline_model_parallel_size, ep_size, rank, transport.staged,
+                                       transport.host_channel_store, transport.timeout_s) if ep_size > 1 else None
         separate = t.reductions == "canonical"
         self.chunks = {s: StageChunk(model, self.layout, s, t.num_microbatches, separate, cfg.inject)
                        for s in self.layout.stages_of_rank(self.pp_rank)}

@@ -8,7 +8,8 @@
 
 Bitwise: staging is a copy, so it moves no bit; a two-member all-reduce is ``a + b`` on every backend.
 Expert parallelism adds groups of EP ranks (``model/expert_parallel.py``: all-to-all and all-gather, copies
-only) and one pipeline per EP column (`Transport.global_rank`).
+only; between ranks forked on this host over `host_channel` sockets instead of gloo) and one pipeline per EP
+column (`Transport.global_rank`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ class Transport:
     settings: dict
     expert_model_parallel_size: int = 1
     ep_rank: int = 0
+    #: the process group's store when every rank was forked on this host (the fork launcher), else None (torchrun)
+    host_store: object = None
+    timeout_s: float = 300.0
 
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank `pp_rank` in this rank's EP column."""
@@ -63,6 +67,12 @@ class Transport:
     def pipeline_size(self) -> int:
         """P: the world (P x EP ranks) over the EP size."""
         return dist.get_world_size() // self.expert_model_parallel_size
+
+    @property
+    def host_channel_store(self):
+        """The store the EP groups' `host_channel` sockets rendezvous through, or None (keep torch.distributed):
+        only for ranks forked on this host whose collective operands are host tensors (CPU, or CUDA staged)."""
+        return self.host_store if self.device.type == "cpu" or self.staged else None
 
     @property
     def description(self) -> str:
@@ -113,12 +123,14 @@ def setup(device: str, rank: int, world_size: int, store, timeout_s: float,
     """Initialise the process group for `device` ("cpu" | "cuda") and return this rank's `Transport`.
 
     rank, world_size: global (world = P x EP, rank = pp_rank * EP + ep_rank).  num_gpus: GPUs to spread the
-    ranks over (rank r -> cuda:(r % num_gpus), LOCAL_RANK under torchrun); default all visible.  store None:
-    ``env://`` rendezvous (torchrun).
+    ranks over (rank r -> cuda:(r % num_gpus), LOCAL_RANK under torchrun); default all visible.  store: the
+    fork launcher's FileStore (every rank on this host; kept as `Transport.host_store`), or None: ``env://``
+    rendezvous (torchrun).
     Raises RuntimeError when CUDA is requested but unavailable.
     """
     timeout = timedelta(seconds=timeout_s)
-    ep = dict(expert_model_parallel_size=expert_model_parallel_size, ep_rank=rank % expert_model_parallel_size)
+    ep = dict(expert_model_parallel_size=expert_model_parallel_size, ep_rank=rank % expert_model_parallel_size,
+              host_store=store, timeout_s=timeout_s)
     if device == "cpu":
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         return Transport("gloo", torch.device("cpu"), False, {}, **ep)

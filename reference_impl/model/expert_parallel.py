@@ -41,9 +41,11 @@ Mirrors ``megatron/core/transformer/moe/token_dispatcher.py::MoEAlltoAllTokenDis
 per-rank counts; here every EP rank already holds the whole routing, so it computes the [EP, E] count matrix
 locally (no communication, identical on every rank).
 
-Transport: ``all_to_all_single`` (gloo supports uneven and zero splits on CPU; the list form
-``dist.all_to_all`` is not implemented by gloo) and ``all_gather`` on the EP group; CUDA tensors are
-staged through host memory when the ranks share GPUs (gloo), exactly like the pipeline transport.
+Transport: ``all_to_all_single`` (uneven and zero splits) and ``all_gather`` on the EP group: between ranks
+forked on this host over `reference_impl.host_channel` sockets (gloo costs ~0.3-0.45 ms of CPU per such
+collective, several times the expert GEMMs it serves), else torch.distributed (gloo on CPU; the list form
+``dist.all_to_all`` is not implemented by gloo; NCCL with one GPU per rank); CUDA tensors are staged through
+host memory when the ranks share GPUs, exactly like the pipeline transport.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import host_channel
+
 
 class ExpertParallel:
     """The EP group of one rank: ``size`` (EP), ``rank`` (ep rank within the group), ``group`` (a
@@ -60,16 +64,19 @@ class ExpertParallel:
     (CUDA tensors go through host memory for gloo).  ``ExpertParallel()`` is EP = 1: every operation is
     the identity and no collective is issued."""
 
-    def __init__(self, size: int = 1, rank: int = 0, group=None, staged: bool = False):
+    def __init__(self, size: int = 1, rank: int = 0, group=None, staged: bool = False,
+                 channel: Optional[host_channel.HostChannel] = None):
         if not 0 <= rank < size:
             raise ValueError(f"ep rank {rank} outside EP size {size}")
-        self.size, self.rank, self.group, self.staged = size, rank, group, staged
+        self.size, self.rank, self.group, self.staged, self.channel = size, rank, group, staged, channel
 
     @classmethod
     def build(cls, pipeline_model_parallel_size: int, expert_model_parallel_size: int, global_rank: int,
-              staged: bool = False) -> "ExpertParallel":
+              staged: bool = False, host_store=None, timeout_s: float = 300.0) -> "ExpertParallel":
         """This rank's EP group, collectively: every rank creates every EP row's group in the same order
-        (``dist.new_group`` is collective over the world), as ``parallel_state`` does.  EP = 1 creates none."""
+        (``dist.new_group`` is collective over the world), as ``parallel_state`` does.  EP = 1 creates none.
+        `host_store` (`transport.Transport.host_channel_store`): the group's ranks are on this host and connect
+        a `host_channel.HostChannel` through it (a power-of-two EP; else, or None, torch.distributed)."""
         ep = expert_model_parallel_size
         pp_rank, ep_rank = divmod(global_rank, ep)
         mine = None
@@ -78,7 +85,11 @@ class ExpertParallel:
                 group = dist.new_group(list(range(p * ep, (p + 1) * ep)))
                 if p == pp_rank:
                     mine = group
-        return cls(ep, ep_rank, mine, staged)
+        channel = None
+        if host_store is not None and host_channel.usable(ep):
+            channel = host_channel.HostChannel.connect(host_store, f"bitparity/ep-channel/{pp_rank}", ep_rank, ep,
+                                                       timeout_s)
+        return cls(ep, ep_rank, mine, staged, channel)
 
     def local_experts(self, num_experts: int) -> range:
         """Global ids of the experts this rank owns: ``[rank*E/EP, (rank+1)*E/EP)``."""
@@ -98,7 +109,10 @@ class ExpertParallel:
         """cat over the EP ranks (ep rank order) of every rank's equally shaped `t`, along dim 0."""
         src = self._host(t.contiguous())
         parts = [torch.empty_like(src) for _ in range(self.size)]
-        dist.all_gather(parts, src, group=self.group)
+        if self.channel is not None:
+            self.channel.all_gather(parts, src)
+        else:
+            dist.all_gather(parts, src, group=self.group)
         return torch.cat(parts).to(t.device)
 
     def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
@@ -106,7 +120,10 @@ class ExpertParallel:
         ``out_splits[i]`` rows from EP rank i, in ep rank order."""
         src = self._host(x.contiguous())
         out = src.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, src, out_splits, in_splits, group=self.group)
+        if self.channel is not None:
+            self.channel.all_to_all_single(out, src, out_splits, in_splits)
+        else:
+            dist.all_to_all_single(out, src, out_splits, in_splits, group=self.group)
         return out.to(x.device)
 
 
