@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import host_channel
+
 # cuBLAS needs a pinned workspace for deterministic GEMMs (must be set before the first cuBLAS call).
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 
@@ -70,16 +72,22 @@ class Transport:
 
     @property
     def host_channel_store(self):
-        """The store the EP groups' `host_channel` sockets rendezvous through, or None (keep torch.distributed):
-        only for ranks forked on this host whose collective operands are host tensors (CPU, or CUDA staged)."""
-        return self.host_store if self.device.type == "cpu" or self.staged else None
+        """The store the EP groups' `host_channel` sockets rendezvous through, or None (torch.distributed's
+        collectives): for ranks forked on this host whose collective operands are host tensors (CPU, or CUDA
+        staged) in a power-of-two EP group."""
+        host = self.device.type == "cpu" or self.staged
+        usable = host_channel.usable(self.expert_model_parallel_size)
+        return self.host_store if host and usable else None
 
     @property
     def description(self) -> str:
         """One line for logs and the manifest: which backend and placement this rank uses."""
         if self.device.type == "cpu":
-            return "gloo (cpu)"
-        return "gloo via pinned host memory (GPUs shared)" if self.staged else "nccl (one GPU per rank)"
+            line = "gloo (cpu)"
+        else:
+            line = "gloo via pinned host memory (GPUs shared)" if self.staged else "nccl (one GPU per rank)"
+        return line + ("; expert-parallel collectives over host sockets" if self.host_channel_store is not None
+                       else "")
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu", non_blocking=False).pin_memory() if self.staged else t

@@ -2,8 +2,10 @@
 multi-process launch (torchrun: fresh processes, rank/world from the environment).
 
 Torchrun is run on three smoke layouts that between them take every launch path (a single process, P=2
-1F1B, P=4 interleaved with a standalone MTP stage); the layout does not reach the launcher, and each torchrun
-run costs ~10 s of fresh interpreters on 2 cores."""
+1F1B, P=4 interleaved with a standalone MTP stage) and on P=2 with EP=2, whose expert collectives go over gloo
+under torchrun and over the host sockets of `reference_impl.host_channel` under the fork launcher (the same bits:
+both copy); the layout does not reach the launcher, and each torchrun run costs ~10 s of fresh interpreters on
+2 cores."""
 import json
 
 import pytest
@@ -19,19 +21,27 @@ def _steps(report, run_dir):
         trace["init"]
 
 
-ONLY = ("pp2-mtp-with-loss", "pp4-vpp2-mtp-standalone", "canonical/pp1")
+ONLY = ("pp2-mtp-with-loss", "pp4-vpp2-mtp-standalone", "canonical/pp1", "ep2/pp2")
+EP_VARIANT = """
+  - name: ep2/pp2
+    pipeline_model_parallel_layout: "Ett|ttmL"
+    pipeline_model_parallel_size: 2
+    expert_model_parallel_size: 2
+    expect: bitwise
+"""
 
 
 def test_torchrun_matches_fork(tmp_path):
     only = [a for name in ONLY for a in ("--only", name)]
+    case = tmp_path / "smoke.yaml"
+    case.write_text((ROOT / "cases" / "smoke.yaml").read_text() + EP_VARIANT)
     for launcher in ("fork", "torchrun"):
-        proc = run_cli("verify", ROOT / "cases" / "smoke.yaml", "--launcher", launcher, "--out", tmp_path / launcher,
-                       *only)
+        proc = run_cli("verify", case, "--launcher", launcher, "--out", tmp_path / launcher, *only)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     # run directories: runs/<variant name made path-safe> (detail_page is runs/<dir>/index.html)
     variants = [v["detail_page"].rsplit("/", 1)[0]
                 for v in json.loads((tmp_path / "fork" / "smoke" / "summary.json").read_text())["variants"]]
-    assert len(variants) == 3 and "runs/canonical_pp1" in variants
+    assert len(variants) == 4 and "runs/canonical_pp1" in variants and "runs/ep2_pp2" in variants
     for v in variants:
         assert _steps(tmp_path / "fork", v) == _steps(tmp_path / "torchrun", v), v
     summary = json.loads((tmp_path / "torchrun" / "smoke" / "summary.json").read_text())

@@ -76,7 +76,7 @@ class ExpertParallel:
         """This rank's EP group, collectively: every rank creates every EP row's group in the same order
         (``dist.new_group`` is collective over the world), as ``parallel_state`` does.  EP = 1 creates none.
         `host_store` (`transport.Transport.host_channel_store`): the group's ranks are on this host and connect
-        a `host_channel.HostChannel` through it (a power-of-two EP; else, or None, torch.distributed)."""
+        a `host_channel.HostChannel` through it; None: torch.distributed's collectives."""
         ep = expert_model_parallel_size
         pp_rank, ep_rank = divmod(global_rank, ep)
         mine = None
@@ -86,7 +86,7 @@ class ExpertParallel:
                 if p == pp_rank:
                     mine = group
         channel = None
-        if host_store is not None and host_channel.usable(ep):
+        if host_store is not None and ep > 1:
             channel = host_channel.HostChannel.connect(host_store, f"bitparity/ep-channel/{pp_rank}", ep_rank, ep,
                                                        timeout_s)
         return cls(ep, ep_rank, mine, staged, channel)
