@@ -221,6 +221,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_fuzz.py
 	$(BIN)/python bench/bench_overlap.py
 	$(BIN)/python bench/bench_grouped.py --out bench/results/grouped_cpu.json
+	$(BIN)/python bench/bench_ep_channel.py --out bench/results/ep_channel_cpu.json
 	$(BIN)/python bench/bench_verify.py $(ARGS)
 	$(BIN)/python bench/bench_megatron.py
 
