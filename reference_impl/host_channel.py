@@ -7,10 +7,12 @@ gloo spends ~280 us of CPU on an ``all_to_all_single`` and ~450 us on an ``all_g
 socket exchange is two system calls per peer.  The bits moved are the same: both are copies.
 
 Used by `model.expert_parallel.ExpertParallel` when every rank of the EP group was forked on this host (the
-harness's fork launcher; `transport.Transport.same_host`); torchrun and NCCL keep torch.distributed.
+harness's fork launcher; `transport.Transport.host_channel_store`); torchrun and NCCL keep torch.distributed.
 
-Peers exchange pairwise in rounds ``partner = rank XOR d`` (d = 1 .. n-1, so n must be a power of two), the
-lower rank sending first and the higher receiving first: no two processes both wait to send, whatever the size.
+Peers exchange pairwise in rounds ``partner = rank XOR d`` (d = 1 .. n-1, so n must be a power of two; each
+round pairs every rank with one other, so a rank only ever waits on its partner of the round).  Within a pair a
+message that fits the socket's buffer is sent before receiving by both; a larger one goes lower rank first, the
+higher rank receiving first: no two processes both wait to send, whatever the size.
 Each message carries its length (8 bytes), checked against what the receiver expects: a peer that computed
 other split sizes fails the rank with both numbers instead of desynchronising the stream.  A peer that is gone
 (closed socket) or silent for ``timeout_s`` raises `ChannelError` (the rank fails; the harness reaps the run).
@@ -41,7 +43,10 @@ def usable(size: int) -> bool:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of contiguous CPU tensor `t` (any dtype, bf16 included), without a copy."""
+    """The bytes of contiguous CPU tensor `t` (any dtype, bf16 included), without a copy (a copy would take a
+    received message and drop it: refused)."""
+    if not t.is_contiguous():
+        raise ValueError(f"host channel: a non-contiguous tensor {tuple(t.shape)} / {t.stride()}")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
