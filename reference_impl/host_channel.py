@@ -6,8 +6,8 @@ gloo spends ~280 us of CPU on an ``all_to_all_single`` and ~450 us on an ``all_g
 (its Python checks, its work queue thread, its TCP event loop: measured on 2 AMD EPYC cores, torch 2.13); a
 socket exchange is two system calls per peer.  The bits moved are the same: both are copies.
 
-Used by `model.expert_parallel.ExpertParallel` when every rank of the EP group was forked on this host (the
-harness's fork launcher; `transport.Transport.host_channel_store`); torchrun and NCCL keep torch.distributed.
+Used by `model.expert_parallel.ExpertParallel` when every rank of the EP group is a CPU rank forked on this host
+(the harness's fork launcher; `transport.Transport.host_channel_store`); torchrun and CUDA keep torch.distributed.
 
 Peers exchange pairwise in rounds ``partner = rank XOR d`` (d = 1 .. n-1, so n must be a power of two; each
 round pairs every rank with one other, so a rank only ever waits on its partner of the round).  Within a pair a

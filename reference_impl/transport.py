@@ -73,11 +73,11 @@ class Transport:
     @property
     def host_channel_store(self):
         """The store the EP groups' `host_channel` sockets rendezvous through, or None (torch.distributed's
-        collectives): for ranks forked on this host whose collective operands are host tensors (CPU, or CUDA
-        staged) in a power-of-two EP group."""
-        host = self.device.type == "cpu" or self.staged
+        collectives): for CPU ranks forked on this host in a power-of-two EP group.  (CUDA ranks that share GPUs
+        stage their operands through host memory too and could use it; they keep gloo until it is measured on a
+        GPU machine.)"""
         usable = host_channel.usable(self.expert_model_parallel_size)
-        return self.host_store if host and usable else None
+        return self.host_store if self.device.type == "cpu" and usable else None
 
     @property
     def description(self) -> str:

@@ -41,9 +41,9 @@ Mirrors ``megatron/core/transformer/moe/token_dispatcher.py::MoEAlltoAllTokenDis
 per-rank counts; here every EP rank already holds the whole routing, so it computes the [EP, E] count matrix
 locally (no communication, identical on every rank).
 
-Transport: ``all_to_all_single`` (uneven and zero splits) and ``all_gather`` on the EP group: between ranks
+Transport: ``all_to_all_single`` (uneven and zero splits) and ``all_gather`` on the EP group: between CPU ranks
 forked on this host over `reference_impl.host_channel` sockets (gloo costs ~0.3-0.45 ms of CPU per such
-collective, several times the expert GEMMs it serves), else torch.distributed (gloo on CPU; the list form
+collective, several times the expert GEMMs it serves), else torch.distributed (gloo; the list form
 ``dist.all_to_all`` is not implemented by gloo; NCCL with one GPU per rank); CUDA tensors are staged through
 host memory when the ranks share GPUs, exactly like the pipeline transport.
 """
