@@ -118,3 +118,20 @@ def test_a_silent_peer_times_out_and_a_gone_peer_fails(tmp_path):
 def test_ranks_that_disagree_on_the_splits_fail_with_both_sizes(tmp_path):
     res = _run(tmp_path, 2, "mismatch")
     assert "EP rank 1 sent 36 bytes where 12 were expected" in res[0]["error"]
+
+
+def test_the_channel_is_used_by_cpu_ranks_of_the_fork_launcher_in_power_of_two_groups():
+    from reference_impl.transport import Transport
+    store = object()
+
+    def transport(device="cpu", staged=False, ep=2, host_store=store):
+        return Transport("gloo", torch.device(device), staged, {}, expert_model_parallel_size=ep,
+                         host_store=host_store)
+
+    assert transport().host_channel_store is store
+    assert "host sockets" in transport().description
+    assert transport(ep=4).host_channel_store is store
+    assert transport(host_store=None).host_channel_store is None                # torchrun: env:// rendezvous
+    assert transport(ep=1).host_channel_store is None and transport(ep=3).host_channel_store is None
+    assert transport("cuda", staged=True).host_channel_store is None            # CUDA keeps gloo (not measured)
+    assert "host sockets" not in transport(host_store=None).description
