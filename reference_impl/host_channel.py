@@ -100,7 +100,8 @@ class HostChannel:
         self.peers = {}
 
     def _exchange(self, partner: int, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """Send all of `send` to `partner` and fill all of `recv` from it; the lower rank sends first."""
+        """Send all of `send` to `partner` and fill all of `recv` from it: both send first when the message fits
+        ``eager_bytes``, else the lower rank sends first."""
         s, payload = self.peers[partner], _bytes(send)
         try:
             if self.rank < partner or len(payload) <= self.eager_bytes:
@@ -115,17 +116,12 @@ class HostChannel:
             raise ChannelError(f"EP rank {self.rank}: EP rank {partner} is gone ({e})") from e
 
     def _receive(self, s: socket.socket, partner: int, recv: torch.Tensor) -> None:
-        view = _bytes(recv)
-        (n,) = _LEN.unpack(_recv_exact(s, _LEN.size, f"EP rank {partner}"))
+        view, who = _bytes(recv), f"EP rank {self.rank}: EP rank {partner}"
+        (n,) = _LEN.unpack(_recv_exact(s, _LEN.size, who))
         if n != len(view):
-            raise ChannelError(f"EP rank {self.rank}: EP rank {partner} sent {n} bytes where {len(view)} were "
-                               "expected (the ranks disagree on the split sizes)")
-        got = 0
-        while got < n:
-            k = s.recv_into(view[got:])
-            if k == 0:
-                raise ChannelError(f"EP rank {self.rank}: EP rank {partner} closed the connection")
-            got += k
+            raise ChannelError(f"{who} sent {n} bytes where {len(view)} were expected (the ranks disagree on the "
+                               "split sizes)")
+        _fill(s, view, who)
 
     def all_to_all_single(self, out: torch.Tensor, src: torch.Tensor, out_splits: list[int],
                           in_splits: list[int]) -> None:
@@ -136,7 +132,7 @@ class HostChannel:
         received[self.rank].copy_(sent[self.rank])
         for d in range(1, self.size):
             partner = self.rank ^ d
-            self._exchange(partner, sent[partner].contiguous(), received[partner])
+            self._exchange(partner, sent[partner], received[partner])
 
     def all_gather(self, parts: list[torch.Tensor], src: torch.Tensor) -> None:
         """``dist.all_gather(parts, src)``: ``parts[i]`` <- rank i's `src` (every rank's of the same shape)."""
@@ -158,12 +154,17 @@ def _send(s: socket.socket, payload: memoryview) -> None:
         s.sendall(payload[sent - len(header):])
 
 
-def _recv_exact(s: socket.socket, n: int, who: str) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
+def _fill(s: socket.socket, view: memoryview, who: str) -> None:
+    """Receive exactly ``len(view)`` bytes into `view`; `who` names the peer if it closes first."""
+    got = 0
+    while got < len(view):
         k = s.recv_into(view[got:])
         if k == 0:
             raise ChannelError(f"{who} closed the connection")
         got += k
+
+
+def _recv_exact(s: socket.socket, n: int, who: str) -> bytes:
+    buf = bytearray(n)
+    _fill(s, memoryview(buf), who)
     return bytes(buf)
