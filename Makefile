@@ -73,6 +73,8 @@ PRETRAIN_SCRIPT = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_gpt.py,megatron_tr
 # the migration leg: layout a's blocks as HybridModel's pattern, pretrain_hybrid.py with bitparity's local stack spec
 HYBRID_SCRIPT   = $(if $(MEGATRON_LM),$(MEGATRON_LM)/pretrain_hybrid.py,megatron_trainer/standin/pretrain_hybrid.py)
 CAPTURE_DIR ?= reports/capture
+# where its `bitparity compare` reports go (tests/test_pretrain_capture.py runs the demo into a temporary directory)
+CAPTURE_REPORTS ?= reports
 
 .PHONY: lint verify verify-megatron verify-overlap verify-distopt verify-proxy verify-resume verify-hybrid verify-upstream-bugs verify-golden golden verify-long test test-torchrun test-megatron test-portability bench bench-gpu fuzz venv clean capture-demo
 
@@ -136,7 +138,7 @@ capture-demo: $(STAMP_RUN)
 	    $$args --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "$$2" > $(CAPTURE_DIR)/$$1.log 2>&1 \
 	    || { tail -30 $(CAPTURE_DIR)/$$1.log; exit 1; }; \
 	done; \
-	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/layout-b --out reports --name capture-demo $(ARGS); \
+	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/layout-b --out $(CAPTURE_REPORTS) --name capture-demo $(ARGS); \
 	echo "== resume: layout Ett|mL saves at iteration 2 and exits, a new job loads it under Et|tmL -> $(CAPTURE_DIR)/resumed"; \
 	rm -rf $(CAPTURE_DIR)/resumed $(CAPTURE_DIR)/resumed-ckpt; \
 	for leg in "Ett|mL --save $(CAPTURE_DIR)/resumed-ckpt --save-interval 2 --exit-interval 2" \
@@ -146,14 +148,14 @@ capture-demo: $(STAMP_RUN)
 	    $$args --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "$$layout" "$$@" \
 	    >> $(CAPTURE_DIR)/resumed.log 2>&1 || { tail -30 $(CAPTURE_DIR)/resumed.log; exit 1; }; \
 	done; \
-	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/resumed --out reports --name capture-demo-resume $(ARGS); \
+	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/resumed --out $(CAPTURE_REPORTS) --name capture-demo-resume $(ARGS); \
 	echo "== migration: $(HYBRID_SCRIPT), hybrid_layer_pattern +E|+E/+E (layout a's blocks) -> $(CAPTURE_DIR)/hybrid"; \
 	PATH="$(abspath $(BIN)):$$PATH" OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
 	  -m megatron_trainer.pretrain --bitparity-out $(CAPTURE_DIR)/hybrid --bitparity-init 7 $(HYBRID_SCRIPT) \
 	  $$args --pipeline-model-parallel-size 2 --hybrid-layer-pattern "+E|+E/+E" \
 	  --spec megatron_trainer.hybrid_spec hybrid_stack_spec > $(CAPTURE_DIR)/hybrid.log 2>&1 \
 	  || { tail -30 $(CAPTURE_DIR)/hybrid.log; exit 1; }; \
-	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/hybrid --out reports --name capture-demo-migration $(ARGS)
+	$(BIN)/bitparity compare $(CAPTURE_DIR)/layout-a $(CAPTURE_DIR)/hybrid --out $(CAPTURE_REPORTS) --name capture-demo-migration $(ARGS)
 
 verify-golden: $(STAMP_RUN)
 	@set -e; for c in $(GOLDEN_CASES); do \

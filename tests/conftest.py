@@ -21,23 +21,29 @@ def run_cli(*args, cwd=ROOT, timeout=600, env=None):
                           text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
-def verify_once(tmp_path_factory, case, *args, timeout=900) -> tuple[subprocess.CompletedProcess, Path]:
-    """``bitparity verify CASE ARGS --out OUT``, run once per pytest session whichever module or xdist worker asks
-    first; the others wait on a file lock and get the same (CompletedProcess, OUT).  A module-scoped fixture runs
-    once per worker that draws one of its tests, so a case read by several tests ran up to once per worker (the
-    megatron cases: 60-90 s each on 2 cores); tests only read a case's report.  Keyed by the arguments: the same
-    case with other flags is another run.  The session's temporary directory is shared by its workers."""
+def once(tmp_path_factory, key: list, run) -> tuple[subprocess.CompletedProcess, Path]:
+    """``run(OUT)`` (returns a CompletedProcess, text mode), run once per pytest session whichever module or xdist
+    worker asks first; the others wait on a file lock and get the same (CompletedProcess, OUT).  A module-scoped
+    fixture runs once per worker that draws one of its tests, so a job read by several tests ran up to once per
+    worker (the megatron cases: 60-90 s each on 2 cores).  Keyed by `key` (strings): the same job with other flags
+    is another run.  The session's temporary directory is shared by its workers."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    key = hashlib.sha1(json.dumps([str(case), *map(str, args)]).encode()).hexdigest()[:16]
-    out, record = shared / f"verify-{key}", shared / f"verify-{key}.json"
-    with open(shared / f"verify-{key}.lock", "w") as lock:
+    digest = hashlib.sha1(json.dumps([str(k) for k in key]).encode()).hexdigest()[:16]
+    out, record = shared / f"once-{digest}", shared / f"once-{digest}.json"
+    with open(shared / f"once-{digest}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes, a crashed worker's too
         if not record.is_file():
-            proc = run_cli("verify", case, "--out", out, *args, timeout=timeout)
-            record.write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))
-        code, stdout, stderr = json.loads(record.read_text())
-    return subprocess.CompletedProcess(["verify", str(case), *map(str, args)], code, stdout, stderr), out
+            proc = run(out)
+            record.write_text(json.dumps([proc.args, proc.returncode, proc.stdout, proc.stderr]))
+        args, code, stdout, stderr = json.loads(record.read_text())
+    return subprocess.CompletedProcess(args, code, stdout, stderr), out
+
+
+def verify_once(tmp_path_factory, case, *args, timeout=900) -> tuple[subprocess.CompletedProcess, Path]:
+    """``bitparity verify CASE ARGS --out OUT`` once per pytest session (`once`); tests only read a case's report."""
+    return once(tmp_path_factory, ["verify", case, *args],
+                lambda out: run_cli("verify", case, "--out", out, *args, timeout=timeout))
 
 
 def refusal(case, **load_case_args) -> str:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, once
 from planted import planted_megatron
 
 megatron_core = pytest.importorskip("megatron.core")
@@ -56,25 +56,46 @@ def compare(tmp_path: Path, a: Path, b: Path, *args) -> tuple[subprocess.Complet
 
 
 @pytest.fixture(scope="module")
-def layout_a(tmp_path_factory):
-    """The tiny job at layout a, from scratch to the end (read by the layout and the resume tests)."""
-    a = tmp_path_factory.mktemp("capture") / "layout-a"
-    r = pretrain(a, LAYOUTS["a"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    return a
+def demo(tmp_path_factory):
+    """``make capture-demo`` as the README gives it (torchrun, 2 ranks): layouts a and b, the job stopped at
+    iteration 2 under b and resumed under a, the HybridModel migration, each compared with layout a.  Its traces
+    and reports are read by the tests below, so CI runs those five jobs once (the demo was a CI step of its own
+    until 2026-12-07, ~90 s)."""
+    venv = Path(sys.prefix)
+
+    def make_demo(root: Path) -> subprocess.CompletedProcess:
+        # -o: the venv this test runs in is the demo's; make must not rebuild it under a running suite
+        return subprocess.run(
+            ["make", "--no-print-directory", "-o", str(venv / ".bitparity-run"), "capture-demo", f"VENV={venv}",
+             "MEGATRON_LM=", "ARGS=", f"CAPTURE_DIR={root / 'capture'}", f"CAPTURE_REPORTS={root / 'reports'}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=1200,
+            env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")})
+
+    r, root = once(tmp_path_factory, ["capture-demo", venv], make_demo)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return root
 
 
-def test_two_layouts_bitwise_and_a_planted_mtp_loss_scale_caught(tmp_path, layout_a):
-    a, b, planted = layout_a, tmp_path / "layout-b", tmp_path / "planted"
-    r = pretrain(b, LAYOUTS["b"])
-    assert r.returncode == 0, r.stderr[-3000:]
+def demo_summary(demo: Path, name: str) -> dict:
+    """The demo's `bitparity compare` summary `name` (capture-demo, capture-demo-resume, capture-demo-migration)."""
+    return json.loads((demo / "reports" / name / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def layout_a(demo):
+    """The tiny job at layout a, from scratch to the end (read by the layout, migration and resume tests)."""
+    return demo / "capture" / "layout-a"
+
+
+def test_two_layouts_bitwise_and_a_planted_mtp_loss_scale_caught(tmp_path, demo, layout_a):
+    a, planted = layout_a, tmp_path / "planted"
     header = json.loads((a / "rank1.jsonl").read_text().splitlines()[0])
     assert header["settings"]["training_loop"] == "megatron.training.pretrain"
     assert header["settings"]["pipeline_model_parallel_layout"] is not None
     assert any(p["name"].startswith("mtp.layers.0.") for p in header["params"])
-    r, summary = compare(tmp_path, a, b)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert summary["variants"][1]["outcome"] == "equal"
+    summary = demo_summary(demo, "capture-demo")       # layout a against layout b
+    assert [v["layout"] for v in summary["variants"]] == [LAYOUTS["a"], LAYOUTS["b"]], summary["variants"]
+    assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
 
     # the MTP loss scale doubled in a copy of the installed megatron, imported first by the planted run
     tree = planted_megatron(tmp_path / "megatron-planted", {"megatron/core/transformer/multi_token_prediction.py": [
@@ -144,39 +165,26 @@ def test_tensor_and_sequence_parallel_with_the_distributed_optimizer_two_layouts
     assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
 
 
-HYBRID_STANDIN = ROOT / "megatron_trainer" / "standin" / "pretrain_hybrid.py"
-# layout a's blocks (MLA + MoE, twice; one MTP depth) as HybridModel's pattern, with bitparity's local stack spec
-HYBRID = ("--hybrid-layer-pattern", "+E|+E/+E", "--spec", "megatron_trainer.hybrid_spec", "hybrid_stack_spec")
-
-
-def test_a_pretrain_hybrid_job_is_bitwise_its_pretrain_gpt_job(tmp_path, layout_a):
+def test_a_pretrain_hybrid_job_is_bitwise_its_pretrain_gpt_job(demo):
     """The migration in the user's own jobs: pretrain_hybrid.py (the stand-in on the wheel) with the pattern of
     layout a's blocks, compared with pretrain_gpt.py's layout-a job: every step bitwise."""
-    hybrid = tmp_path / "hybrid"
-    r = pretrain(hybrid, None, HYBRID_STANDIN, extra=HYBRID)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "compat points" in r.stderr and ",H1" in r.stderr.split("compat points")[1].split(";")[0]
-    proc, summary = compare(tmp_path, layout_a, hybrid)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    run = summary["variants"][1]
+    log = (demo / "capture" / "hybrid.log").read_text()
+    assert "compat points" in log and ",H1" in log.split("compat points")[1].split(";")[0]
+    run = demo_summary(demo, "capture-demo-migration")["variants"][1]
     assert run["outcome"] == "equal" and run["layout"] == "hybrid +E|+E/+E [Et|tmL]", run
 
 
-def test_a_job_stopped_and_resumed_under_another_layout_compares_by_iteration(tmp_path, layout_a):
+def test_a_job_stopped_and_resumed_under_another_layout_compares_by_iteration(tmp_path, demo, layout_a):
     """Megatron-LM's own --save / --load: the job saves at iteration 2 and exits (--exit-interval), a new job loads
     it under the other layout and trains iteration 3; its capture goes to ``iter0000002/`` of the same directory,
     and `bitparity compare` stitches the two by iteration: bitwise with the job that never stopped, the loaded
     state included.  Resumed with ``--no-load-optim`` (Megatron-LM's flag: Adam's state left behind) it fails at
     the load, naming the optimizer state, before any parameter moves."""
-    full, stopped, ckpt = layout_a, tmp_path / "stopped", tmp_path / "ckpt"
-    r = pretrain(stopped, LAYOUTS["b"], extra=("--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = pretrain(stopped, LAYOUTS["a"], extra=("--load", str(ckpt)))
-    assert r.returncode == 0, r.stderr[-3000:]
+    full, stopped, ckpt = layout_a, demo / "capture" / "resumed", demo / "capture" / "resumed-ckpt"
     assert (stopped / "rank0.jsonl").is_file() and (stopped / "iter0000002" / "rank0.jsonl").is_file()
-    r, summary = compare(tmp_path, full, stopped)
-    assert r.returncode == 0, r.stdout + r.stderr
-    trace = json.loads((tmp_path / "rep" / "stopped" / "runs" / "stopped" / "trace.json").read_text())
+    summary = demo_summary(demo, "capture-demo-resume")
+    assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
+    trace = json.loads((demo / "reports" / "capture-demo-resume" / "runs" / "resumed" / "trace.json").read_text())
     assert [st["step"] for st in trace["steps"]] == [0, 1, 2] and [x["step"] for x in trace["resumed"]] == [1]
     assert trace["resumed"][0]["exp_avg"] and trace["resumed"][0]["params"]
     lost = tmp_path / "lost"

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -73,32 +74,50 @@ def test_identical_sources_pass_and_are_named(tmp_path):
             assert header["settings"]["megatron_path"] == path, (run, rank)
 
 
-# megatron-core's package, planted: each process that imports it appends its pid to the file the test names
+# megatron-core's package, planted: each process that imports it appends its pid and the copy's directory to the
+# file the test names
 _IMPORTED = "\nimport megatron.core.utils\n"
 _IMPORTED_LOGGED = ("\nimport os as _bp_os\n"
                     "if _bp_os.environ.get('BITPARITY_TEST_IMPORT_LOG'):\n"
-                    "    open(_bp_os.environ['BITPARITY_TEST_IMPORT_LOG'], 'a').write(f'{_bp_os.getpid()}\\n')\n"
+                    "    open(_bp_os.environ['BITPARITY_TEST_IMPORT_LOG'], 'a').write(\n"
+                    "        f'{_bp_os.getpid()} {_bp_os.path.dirname(_bp_os.path.dirname(_bp_os.path.dirname(__file__)))}\\n')\n"
                     "import megatron.core.utils\n")
 
 
-def test_one_head_is_imported_once_by_the_forkserver_not_by_every_rank(tmp_path):
-    """Every run on one source (here a copy given as --megatron-head): the forkserver imports it once, from that
-    directory, and the ranks fork with it loaded.  Imports of the copy: the validator (a process of its own, as
-    for any source the harness does not import) and the forkserver, not one per rank (6 ranks: the baseline's 2
-    and the standalone run's 4; ~4 s of CPU each on 2 cores)."""
+def _imports(log) -> dict:
+    """{copy's directory: how many processes imported it} from the planted copies' log."""
+    counts = {}
+    for line in log.read_text().splitlines():
+        where = os.path.realpath(line.split(" ", 1)[1])
+        counts[where] = counts.get(where, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("sources", ["head", "base and head"])
+def test_each_source_is_imported_once_by_its_forkserver_not_by_every_rank(tmp_path, sources):
+    """Every run on one source (here a copy given as --megatron-head), and the same runs on two (a second copy as
+    --megatron-base: PR #2136's first check): each copy is imported once by a forkserver of its own and the
+    ranks fork with it loaded.  Imports of each copy: the validator (a process of its own, as for any source the
+    harness does not import) and its forkserver, not one per rank (6 ranks per source: the baseline's 2 and the
+    standalone run's 4; ~4-8 s of CPU each on 2 cores)."""
     log = tmp_path / "imports.txt"
-    head = planted_megatron(tmp_path / "head", {"megatron/core/__init__.py": [(_IMPORTED, _IMPORTED_LOGGED)]})
-    proc, _ = _verify(tmp_path / "out", "--megatron-head", head, env={"BITPARITY_TEST_IMPORT_LOG": str(log)})
+    planted = {"megatron/core/__init__.py": [(_IMPORTED, _IMPORTED_LOGGED)]}
+    copies = {"head": planted_megatron(tmp_path / "head", planted)}
+    if sources == "base and head":
+        copies["base"] = planted_megatron(tmp_path / "base", planted)
+    flags = [a for role, copy in copies.items() for a in (f"--megatron-{role}", copy)]
+    proc, summary = _verify(tmp_path / "out", *flags, env={"BITPARITY_TEST_IMPORT_LOG": str(log)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     report = tmp_path / "out" / CASE.stem
-    ranks = 0
-    for run in (BASELINE, STANDALONE):
-        for trace in sorted((report / "runs" / run).glob("rank*.jsonl")):
+    ranks = {}
+    for run in (x["name"] for x in summary["variants"]):
+        copy = copies["base" if run.endswith("@base") else "head"]
+        for trace in sorted((report / "runs" / run.replace("@", "_")).glob("rank*.jsonl")):
             header = json.loads(trace.read_text().splitlines()[0])
-            assert header["settings"]["megatron_path"] == str(head.resolve()), (run, trace.name)
-            ranks += 1
-    assert ranks == 6
-    assert len(log.read_text().split()) == 2, log.read_text()
+            assert header["settings"]["megatron_path"] == str(copy.resolve()), (run, trace.name)
+            ranks[copy] = ranks.get(copy, 0) + 1
+    assert set(ranks.values()) == {6}, ranks
+    assert _imports(log) == {str(copy.resolve()): 2 for copy in copies.values()}, log.read_text()
 
 
 def test_a_planted_megatron_change_fails_at_the_mtp_loss(tmp_path):

@@ -11,6 +11,7 @@ itself die (any signal, SIGKILL included), the forkserver, torchrun and every ra
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -28,7 +29,7 @@ from typing import Optional
 from trainerkit.config import DEFAULT_TRAINER, RunConfig
 
 from ..planning import trainers
-from . import interrupt
+from . import forkservers, interrupt
 
 _CTX = mp.get_context("forkserver")
 # the launch entry point of each trainer (`harness.planning.trainers.REGISTRY`): a module with rank_main(...) (forkserver)
@@ -77,11 +78,12 @@ def _reap(p, timeout: Optional[float] = None) -> bool:
 def preload(configs) -> None:
     """Have the forkserver import the workers of these runs' trainers before it forks ranks (call before the
     first run: a forkserver already running keeps its preload, and its ranks then import the trainer
-    themselves).  megatron-core itself (`megatron_trainer.preload`) only when every megatron run imports the same
-    one (one ``megatron_path``: the interpreter's own, or a checkout or planted copy the forkserver puts first on
-    its path, as each rank would) and none runs on CUDA: importing megatron initialises CUDA, which a forked rank
-    then cannot use.  A megatron the ranks import themselves costs each rank its import (~4 s of CPU on 2 cores,
-    and a planted copy has no byte code to reuse), a 16-rank run ~1 CPU-minute."""
+    themselves).  megatron-core itself (`megatron_trainer.preload`) unless a run is on CUDA (importing megatron
+    initialises CUDA, which a forked rank then cannot use): each ``megatron_path`` (the interpreter's own, or a
+    checkout or planted copy put first on the server's path, as each rank would) in a forkserver of its own, the
+    second one's and further (``--megatron-base``) from `forkservers`.  A megatron the ranks import themselves
+    costs each rank its import (~4 s of CPU on 2 cores, and a planted copy has no byte code to reuse), a 16-rank
+    run ~1 CPU-minute."""
     configs = list(configs)
     names = (DEFAULT_TRAINER, *sorted({c.trainer for c in configs} - {DEFAULT_TRAINER}))
     modules = [WORKERS[t] for t in names]
@@ -90,9 +92,14 @@ def preload(configs) -> None:
     # on the harness's (`planning.sources.use_head`); `megatron_trainer.preload` puts a named directory first
     sources = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer)}
     source = None
-    if len(sources) == 1 and not any(c.device == "cuda" for c in configs):
+    if sources and not any(c.device == "cuda" for c in configs):
         modules += [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
-        source = sources.pop()
+        # the interpreter's own megatron (None) in multiprocessing's forkserver, which only its own path can
+        # import; every further source (--megatron-base next to the head) in a forkserver of its own
+        source, *others = sorted(sources, key=lambda s: (s is not None, s or ""))
+        from trainerkit.process import PRELOAD_ENV, PRELOAD_SOURCE_ENV
+        for other in others:
+            forkservers.start(other, {PRELOAD_ENV: ",".join(modules), PRELOAD_SOURCE_ENV: other}, [PRELOAD_GUARD])
     _set_preload(modules, source)
     _start_forkserver()
 
@@ -325,7 +332,10 @@ def run_ranks(cfg: RunConfig, run_dir: Path, timeout_s: float, launcher: str = "
     store.unlink(missing_ok=True)
     start = time.monotonic()
     env = rank_env()
-    procs = [_CTX.Process(target=launch, args=(WORKERS[cfg.trainer], r, world, cfg.model_dump_json(), str(run_dir), str(store),
+    source = cfg.megatron_path if trainers.runs_megatron(cfg.trainer) else None
+    process = (functools.partial(forkservers.SourceProcess, megatron_source=source) if forkservers.serves(source)
+               else _CTX.Process)
+    procs = [process(target=launch, args=(WORKERS[cfg.trainer], r, world, cfg.model_dump_json(), str(run_dir), str(store),
                                                env), name=f"bitparity-rank{r}", daemon=True) for r in range(world)]
     error = None
     try:
