@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node N -m megatron_trainer.pretrain --bitparity-out DIR \\
         /path/to/Megatron-LM/pretrain_gpt.py <the script's own arguments>
+    python -m megatron_trainer.pretrain --bitparity-nproc N --bitparity-out DIR ...    (CPU: `fork_launch`)
 
 Every rank writes ``DIR/rank{r}.jsonl`` (a job resumed with ``--load`` from N iterations: ``DIR/iter{N:07d}/``;
 TRACE_FORMAT.md; `pretrain_hooks`); compare two such directories with
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bitparity-init", type=int, metavar="SEED",
                    help="re-initialise every parameter by its global name before the first step (megatron seeds "
                         "by pipeline rank, so two layouts start from other weights without it)")
+    p.add_argument("--bitparity-nproc", type=int, metavar="N",
+                   help="start N ranks on this host by forking this process once megatron is imported, instead "
+                        "of running under torchrun (CPU only; `fork_launch`)")
     p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, as you would pass them")
     return p
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     refused = pretrain_hooks.refusal(args.args)
     if refused:
         return _fail(refused)
+    if args.bitparity_nproc is not None and args.bitparity_nproc < 1:
+        return _fail(f"--bitparity-nproc {args.bitparity_nproc}: the number of ranks must be >= 1")
+    if args.bitparity_nproc is not None and os.environ.get("WORLD_SIZE"):
+        return _fail("--bitparity-nproc starts the ranks itself: run it without torchrun")
     out = Path(args.bitparity_out)
     if out.exists() and not out.is_dir():
         return _fail(f"--bitparity-out {args.bitparity_out}: not a directory")
@@ -84,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     from . import compat, compat_training
 
     cuda = torch.cuda.is_available()
+    if cuda and args.bitparity_nproc is not None:
+        return _fail("--bitparity-nproc forks ranks after megatron's import, which initialises CUDA: on a GPU "
+                     "machine run the script under torchrun")
     if not cuda:
         import torch._dynamo.config
         torch._dynamo.config.disable = True
@@ -117,7 +128,34 @@ def main(argv: list[str] | None = None) -> int:
     # Megatron-LM's loader refuses ("Unable to load rng state"); no bit depends on it (dropout 0)
     if not cuda and _given(script_args, "--load") and not _given(script_args, "--no-load-rng"):
         script_args += ["--no-load-rng"]
-    pretrain_hooks.install(out, [str(script), *script_args], args.bitparity_init)
+    if args.bitparity_nproc is None:
+        return _run_rank(script, script_args, out, args.bitparity_init)
+    from . import fork_launch
+    _import_training()
+    return fork_launch.launch(args.bitparity_nproc,
+                              lambda: _run_rank(script, script_args, out, args.bitparity_init))
+
+
+#: what a Megatron-LM training script imports first (pretrain_gpt.py, pretrain_hybrid.py): imported once before
+#: `fork_launch` forks the ranks, each of which would otherwise import them itself
+_TRAINING_IMPORTS = ("megatron.training", "megatron.training.training", "megatron.training.arguments",
+                     "megatron.training.argument_utils", "megatron.core.models.gpt", "megatron.core.datasets.gpt_dataset",
+                     "megatron.core.pipeline_parallel", "megatron.core.optimizer")
+
+
+def _import_training() -> None:
+    import importlib
+    for name in _TRAINING_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception:       # noqa: BLE001  each rank imports it again and fails with the real error
+            pass
+
+
+def _run_rank(script: Path, script_args: list, out: Path, init_seed) -> int:
+    """One rank: install the capture, run the script as ``__main__``, write the trace; the exit code."""
+    from . import pretrain_hooks
+    pretrain_hooks.install(out, [str(script), *script_args], init_seed)
     sys.argv = [str(script), *script_args]
     from trainerkit.capture import CaptureError
     try:

@@ -22,7 +22,9 @@ from planted import planted_megatron
 megatron_core = pytest.importorskip("megatron.core")
 from packaging.version import Version
 
-pytestmark = [pytest.mark.megatron,
+# the demo's five jobs are set up by the first test that asks (the others wait for it): pytest's 300 s per test is
+# too short for that on a loaded 2-core machine (measured 293 s beside CI)
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(900),
               pytest.mark.skipif(Version(megatron_core.__version__) < Version("0.17"),
                                  reason="megatron-core < 0.17: the wheel has no pretrain(config container) loop")]
 
@@ -37,11 +39,16 @@ def tiny_args() -> list[str]:
 
 
 def pretrain(out: Path, layout: str | None, script: Path = STANDIN, env: dict | None = None, nproc: int = 2,
-             extra: tuple = (), bitparity: tuple = ("--bitparity-init", "7")) -> subprocess.CompletedProcess:
+             extra: tuple = (), bitparity: tuple = ("--bitparity-init", "7"),
+             torchrun: bool = False) -> subprocess.CompletedProcess:
     """The tiny job under `layout` (None: no ``--pipeline-model-parallel-layout``, e.g. a HybridModel job's
-    pattern in `extra`)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "megatron_trainer.pretrain", "--bitparity-out", str(out), *bitparity, str(script), *tiny_args(),
+    pattern in `extra`), its ranks forked by ``--bitparity-nproc`` (half the CPU of torchrun's interpreters:
+    one import of torch and megatron per job; the demo's jobs run under torchrun and
+    `test_the_fork_launcher_gives_torchruns_bits` compares the two)."""
+    launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                 "-m", "megatron_trainer.pretrain"] if torchrun else
+                ["-m", "megatron_trainer.pretrain", "--bitparity-nproc", str(nproc)])
+    cmd = [sys.executable, *launcher, "--bitparity-out", str(out), *bitparity, str(script), *tiny_args(),
            "--pipeline-model-parallel-size", str(nproc),
            *(["--pipeline-model-parallel-layout", layout] if layout else []), *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -122,6 +129,21 @@ def test_two_layouts_bitwise_and_a_planted_mtp_loss_scale_caught(tmp_path, demo,
     r, _ = compare(tmp_path, a, planted, "--expect", "diverge", "--first-divergence",
                    "step=0,kind=grad,name=output_layer.weight")
     assert r.returncode == 1 and "differs outside its signature" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_fork_launcher_gives_torchruns_bits(tmp_path, demo, layout_a):
+    """``--bitparity-nproc 2`` (ranks forked after one import of megatron) against the demo's torchrun job, same
+    layout: every step bitwise; each rank's trace says which rank of which world it was."""
+    forked = tmp_path / "forked"
+    r = pretrain(forked, LAYOUTS["a"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("compat points") == 1         # prepared once, in the launcher, not once per rank
+    for rank in (0, 1):
+        header = json.loads((forked / f"rank{rank}.jsonl").read_text().splitlines()[0])
+        assert (header["rank"], header["world_size"]) == (rank, 2), header
+    r, summary = compare(tmp_path, layout_a, forked)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert summary["variants"][1]["outcome"] == "equal", summary["variants"][1]
 
 
 def test_the_distributed_optimizer_traces_shards_that_compare_with_plain_ddp(tmp_path):
@@ -222,6 +244,13 @@ def test_refusals_are_one_line(tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, r.stderr
         assert not (tmp_path / "o").exists()            # refused before anything is made
+    # the fork launcher: a rank count below 1, or under torchrun (which already started the ranks)
+    for flags, env, words in ((["--bitparity-nproc", "0"], {}, "--bitparity-nproc 0: the number of ranks must be >= 1"),
+                              (["--bitparity-nproc", "2"], {"WORLD_SIZE": "2"}, "run it without torchrun")):
+        r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", *flags, "--bitparity-out",
+                            str(tmp_path / "o"), str(STANDIN), *tiny_args()], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, **env})
+        assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, r.stderr
     # a script that trains nothing with megatron's loop: said, not a silent success without a trace
     (tmp_path / "hello.py").write_text("print('hello')\n")
     r = subprocess.run([sys.executable, "-m", "megatron_trainer.pretrain", "--bitparity-out", str(tmp_path / "h"),
