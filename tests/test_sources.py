@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from conftest import ROOT, run_cli  # noqa: E402
-from planted import planted_megatron  # noqa: E402
+from planted import planted_megatron, planted_tree, run_planted  # noqa: E402
 from test_cli_errors import _check_usage_error  # noqa: E402
 
 from megatron_trainer.source import installed_root  # noqa: E402
@@ -93,20 +93,32 @@ def _imports(log) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("sources", ["head", "base and head"])
+# the second source's forkserver fails to start (harness/running/forkservers.py, planted)
+NO_SERVER = {"harness/running/forkservers.py": [("    server = _SERVERS.get(source)\n",
+                                                  "    return False\n    server = _SERVERS.get(source)\n")]}
+
+
+@pytest.mark.parametrize("sources", ["head", "base and head", "base and head, no server for base"])
 def test_each_source_is_imported_once_by_its_forkserver_not_by_every_rank(tmp_path, sources):
     """Every run on one source (here a copy given as --megatron-head), and the same runs on two (a second copy as
     --megatron-base: PR #2136's first check): each copy is imported once by a forkserver of its own and the
     ranks fork with it loaded.  Imports of each copy: the validator (a process of its own, as for any source the
     harness does not import) and its forkserver, not one per rank (6 ranks per source: the baseline's 2 and the
-    standalone run's 4; ~4-8 s of CPU each on 2 cores)."""
+    standalone run's 4; ~4-8 s of CPU each on 2 cores).  Should the second source's server not start, every run
+    still runs, each rank importing its own megatron (validator + 6 ranks per copy)."""
     log = tmp_path / "imports.txt"
     planted = {"megatron/core/__init__.py": [(_IMPORTED, _IMPORTED_LOGGED)]}
     copies = {"head": planted_megatron(tmp_path / "head", planted)}
-    if sources == "base and head":
+    if sources.startswith("base and head"):
         copies["base"] = planted_megatron(tmp_path / "base", planted)
     flags = [a for role, copy in copies.items() for a in (f"--megatron-{role}", copy)]
-    proc, summary = _verify(tmp_path / "out", *flags, env={"BITPARITY_TEST_IMPORT_LOG": str(log)})
+    env = {"BITPARITY_TEST_IMPORT_LOG": str(log)}
+    if sources.endswith("no server for base"):
+        tree = planted_tree(tmp_path / "tree", NO_SERVER)
+        proc = run_planted(tree, "verify", CASE, "--out", tmp_path / "out", "--only", STANDALONE, *flags, env=env)
+        summary = json.loads((tmp_path / "out" / CASE.stem / "summary.json").read_text())
+    else:
+        proc, summary = _verify(tmp_path / "out", *flags, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     report = tmp_path / "out" / CASE.stem
     ranks = {}
@@ -117,7 +129,8 @@ def test_each_source_is_imported_once_by_its_forkserver_not_by_every_rank(tmp_pa
             assert header["settings"]["megatron_path"] == str(copy.resolve()), (run, trace.name)
             ranks[copy] = ranks.get(copy, 0) + 1
     assert set(ranks.values()) == {6}, ranks
-    assert _imports(log) == {str(copy.resolve()): 2 for copy in copies.values()}, log.read_text()
+    per_copy = 1 + 6 if sources.endswith("no server for base") else 2
+    assert _imports(log) == {str(copy.resolve()): per_copy for copy in copies.values()}, log.read_text()
 
 
 def test_a_planted_megatron_change_fails_at_the_mtp_loss(tmp_path):

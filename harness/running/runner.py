@@ -93,13 +93,16 @@ def preload(configs) -> None:
     sources = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer)}
     source = None
     if sources and not any(c.device == "cuda" for c in configs):
-        modules += [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
+        libraries = modules + [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
         # the interpreter's own megatron (None) in multiprocessing's forkserver, which only its own path can
-        # import; every further source (--megatron-base next to the head) in a forkserver of its own
-        source, *others = sorted(sources, key=lambda s: (s is not None, s or ""))
+        # import; every further source (--megatron-base next to the head) in a forkserver of its own.  Should one
+        # not start, its runs fork from the module's forkserver, which then must hold no megatron (each of their
+        # ranks imports its own, as before there were servers per source)
+        first, *others = sorted(sources, key=lambda s: (s is not None, s or ""))
         from trainerkit.process import PRELOAD_ENV, PRELOAD_SOURCE_ENV
-        for other in others:
-            forkservers.start(other, {PRELOAD_ENV: ",".join(modules), PRELOAD_SOURCE_ENV: other}, [PRELOAD_GUARD])
+        if all(forkservers.start(other, {PRELOAD_ENV: ",".join(libraries), PRELOAD_SOURCE_ENV: other},
+                                 [PRELOAD_GUARD]) for other in others):
+            modules, source = libraries, first
     _set_preload(modules, source)
     _start_forkserver()
 
