@@ -46,6 +46,16 @@ def verify_once(tmp_path_factory, case, *args, timeout=900) -> tuple[subprocess.
                 lambda out: run_cli("verify", case, "--out", out, *args, timeout=timeout))
 
 
+def verify_text_once(tmp_path_factory, filename: str, text: str, *args,
+                     timeout=900) -> tuple[subprocess.CompletedProcess, Path]:
+    """`verify_once` of a case given as YAML text: written to OUT/`filename`, its report in OUT/<case name>."""
+    def run(out: Path) -> subprocess.CompletedProcess:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / filename).write_text(text)
+        return run_cli("verify", out / filename, "--out", out, *args, timeout=timeout)
+    return once(tmp_path_factory, ["verify-text", filename, text, *args], run)
+
+
 def refusal(case, **load_case_args) -> str:
     """The one line `load_case` refuses `case` with, in this process: what ``bitparity verify CASE`` prints after
     ``bitparity: error:``, exit 2, nothing written (the command treats every UsageError alike: test_cli_errors, and

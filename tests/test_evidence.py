@@ -4,7 +4,7 @@ import json
 import textwrap
 
 import pytest
-from conftest import run_cli
+from conftest import verify_text_once
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,7 @@ CASE = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ev")
-    (out / "ev.yaml").write_text(CASE)
-    proc = run_cli("verify", out / "ev.yaml", "--out", out, "--evidence")
+    proc, out = verify_text_once(tmp_path_factory, "ev.yaml", CASE, "--evidence")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     return {v: json.loads((out / "ev" / "runs" / v / "comparison.json").read_text()) for v in ("flip", "p1", "mask")}
 

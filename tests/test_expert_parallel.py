@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, verify_text_once
 from test_cli_errors import _check_usage_error
 
 from harness.judging.trace import TraceError, merge
@@ -336,9 +336,7 @@ CASE = textwrap.dedent(f"""\
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep")
-    (out / "ep.yaml").write_text(CASE)
-    proc = run_cli("verify", out / "ep.yaml", "--out", out)
+    proc, out = verify_text_once(tmp_path_factory, "ep.yaml", CASE)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # the planted fault may fail, nothing else
     return out / "ep"
 

@@ -8,7 +8,7 @@ import textwrap
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import run_cli, variants
+from conftest import variants, verify_text_once
 
 from harness.judging.compare import compare, inventory_diff, replica_status
 from harness.judging.trace import StepTrace, Trace
@@ -49,9 +49,7 @@ CASE = textwrap.dedent(f"""\
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("faults")
-    (out / "faults.yaml").write_text(CASE)
-    proc = run_cli("verify", out / "faults.yaml", "--out", out)
+    proc, out = verify_text_once(tmp_path_factory, "faults.yaml", CASE)
     assert proc.returncode == 1, proc.stdout + proc.stderr     # the planted faults fail
     return out / "faults"
 

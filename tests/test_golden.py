@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, once
 from planted import planted_tree, run_planted
 
 from harness.errors import UsageError
@@ -312,10 +312,10 @@ def _verify(tree: Path, out: Path, goldens: Path = GOLDENS):
 def own_goldens(tmp_path_factory):
     """Goldens of the clean code recorded on this machine (GOLDEN_ENV): the planted bugs are checked against
     them, so the check means the same on every CPU family (the shipped goldens may be unchecked on this one)."""
-    base = tmp_path_factory.mktemp("own")
     env = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
-    proc = run_planted(planted_tree(base / "tree", {}), "verify", ROOT / "cases/smoke.yaml", *ONLY,
-                       "--write-golden", base / "goldens", "--out", base / "out", env=env)
+    proc, base = once(tmp_path_factory, ["own-goldens", *ONLY], lambda base: run_planted(
+        planted_tree(base / "tree", {}), "verify", ROOT / "cases/smoke.yaml", *ONLY,
+        "--write-golden", base / "goldens", "--out", base / "out", env=env))
     assert proc.returncode == 0, proc.stdout[-2000:]
     return base / "goldens"
 

@@ -13,11 +13,14 @@ expects.
 from __future__ import annotations
 
 import json
+import subprocess
+import tempfile
 import textwrap
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli, verify_once
+from conftest import ROOT, once, run_cli, verify_once
 from planted import planted_tree, run_planted
 
 pytestmark = pytest.mark.slow
@@ -38,6 +41,8 @@ def _judged_again(report, case_path, monkeypatch=None):
     runs = {r.spec.name: r for r in plan.runs}
     dirs = {v["name"]: report / "runs" / v["name"].replace("/", "_") for v in summary["variants"]}
     out = {}
+    # compare's own reports go to a directory of this call: `report` may be a fixture's, shared by tests
+    again = Path(tempfile.mkdtemp(prefix="again-", dir=report.parent))
     for i, v in enumerate(summary["variants"]):
         run = runs[v["name"]]
         if run.config.trainer == "megatron-core":       # verify judges the expectation of the megatron it ran
@@ -45,7 +50,7 @@ def _judged_again(report, case_path, monkeypatch=None):
         fd = v["first_divergence"]
         mine = (v["verdict"], v["outcome"], fd and (fd["step"], fd["kind"], fd["name"], fd["microbatch"]))
         ref = dirs[v["compare_to"] or summary["baseline"]]
-        res = compare_dirs.run(ref, dirs[v["name"]], report.parent / f"again-{i}", "test",
+        res = compare_dirs.run(ref, dirs[v["name"]], again / str(i), "test",
                                want=Expectation.of(run), name="again", progress=lambda _: None,
                                warn=lambda _: None)
         theirs = res.variants[0 if run.is_baseline else 1]
@@ -106,12 +111,17 @@ DRIFT_CASE = textwrap.dedent("""\
 @pytest.fixture(scope="module")
 def drift(tmp_path_factory):
     """(clean verdicts, planted verdicts, planted report, case path) of DRIFT_CASE."""
-    tmp = tmp_path_factory.mktemp("drift")
+    def both(tmp: Path) -> subprocess.CompletedProcess:
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "drift.yaml").write_text(DRIFT_CASE)
+        clean = run_cli("verify", tmp / "drift.yaml", "--out", tmp / "clean")
+        tree = planted_tree(tmp / "tree", SKIP_EMBEDDING_SUM)
+        planted = run_planted(tree, "verify", tmp / "drift.yaml", "--out", tmp / "planted")
+        return subprocess.CompletedProcess([], 0, clean.stdout + planted.stdout, clean.stderr + planted.stderr)
+
+    proc, tmp = once(tmp_path_factory, ["drift", DRIFT_CASE], both)
     case = tmp / "drift.yaml"
-    case.write_text(DRIFT_CASE)
-    clean = run_cli("verify", case, "--out", tmp / "clean")
-    tree = planted_tree(tmp / "tree", SKIP_EMBEDDING_SUM)
-    planted = run_planted(tree, "verify", case, "--out", tmp / "planted")
+    clean = planted = proc
     verdicts = []
     for proc, out in ((clean, tmp / "clean"), (planted, tmp / "planted")):
         summary = out / "drift" / "summary.json"

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, verify_text_once
 
 from reference_impl.model.chunk import Microbatch, StageChunk
 from reference_impl.model.linear import Linear, delayed_wgrad, run_wgrad
@@ -199,9 +199,7 @@ CASE = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
-    out = tmp_path_factory.mktemp("overlap")
-    (out / "overlap.yaml").write_text(CASE)
-    proc = run_cli("verify", out / "overlap.yaml", "--out", out)
+    proc, out = verify_text_once(tmp_path_factory, "overlap.yaml", CASE)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     variants = {v["name"]: v for v in json.loads((out / "overlap" / "summary.json").read_text())["variants"]}
     # the timelines live on each run's detail page (runs/<variant>/index.html)

@@ -6,7 +6,7 @@ import json
 import textwrap
 
 import pytest
-from conftest import run_cli
+from conftest import verify_text_once
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +40,7 @@ CASE = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("red")
-    case = out / "reductions.yaml"
-    case.write_text(CASE)
-    proc = run_cli("verify", case, "--out", out)
+    proc, out = verify_text_once(tmp_path_factory, "reductions.yaml", CASE)
     summary = json.loads((out / "reductions" / "summary.json").read_text())
     return proc, {v["name"]: v for v in summary["variants"]}, out / "reductions"
 

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT, verify_once
 from planted import planted_tree, run_planted
 from pydantic import ValidationError
 
@@ -143,8 +143,7 @@ def _ties(out, case, run):
 
 @pytest.fixture(scope="module")
 def ties_case(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ties")
-    proc = run_cli("verify", TIES, "--out", out)
+    proc, out = verify_once(tmp_path_factory, TIES)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
