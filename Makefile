@@ -226,6 +226,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_ep_channel.py --out bench/results/ep_channel_cpu.json
 	$(BIN)/python bench/bench_verify.py $(ARGS)
 	$(BIN)/python bench/bench_megatron.py
+	$(BIN)/python bench/bench_pretrain_launch.py --out bench/results/pretrain_launch_cpu.json
 
 # the long hypothesis profile for the layout properties, then random layouts against CASE's baseline
 fuzz: $(STAMP)
