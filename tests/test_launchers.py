@@ -48,25 +48,47 @@ def test_torchrun_matches_fork(tmp_path):
     assert summary["environment"]["launcher"] == "torchrun"
 
 
-def test_the_forkserver_preloads_megatron_only_for_one_source_on_cpu(monkeypatch):
+@pytest.mark.parametrize("servers_start", [True, False])
+def test_the_forkserver_preloads_each_megatron_source_once_on_cpu(monkeypatch, servers_start):
     """One megatron for every run (the interpreter's own or one directory): imported once in the forkserver, from
-    that directory; two (verify --megatron-base) or CUDA: each rank imports its own (a preloaded megatron would be
-    the wrong one, `megatron_trainer.source.activate`)."""
+    that directory; two (verify --megatron-base): the interpreter's own (or the first directory) there, the other in
+    a forkserver of its own (`harness.running.forkservers`), with the same modules and its directory; CUDA: each
+    rank imports its own (importing megatron initialises CUDA).  Should a source's server not start, the module's
+    forkserver holds no megatron and every rank imports its own (a preloaded megatron would be the wrong one for
+    the other source's ranks, `megatron_trainer.source.activate`)."""
     from harness.planning.cases import load_case
-    from harness.running import runner
+    from harness.running import forkservers, runner
     from megatron_trainer.source import megatron_source
-    seen = []
+    from trainerkit.process import PRELOAD_ENV, PRELOAD_SOURCE_ENV
+    seen, started = [], []
     monkeypatch.setattr(runner, "_set_preload", lambda modules, source=None: seen.append((modules, source)))
+    monkeypatch.setattr(runner, "_start_forkserver", lambda: None)
+
+    def start(source, env, preload):
+        started.append((source, env[PRELOAD_SOURCE_ENV], env[PRELOAD_ENV].split(","), preload))
+        return servers_start
+    monkeypatch.setattr(forkservers, "start", start)
     config = load_case(ROOT / "cases" / "smoke.yaml").runs[0].config
     mc = config.model_copy(update={"trainer": "megatron-core"})
-    # --megatron-base installed beside the interpreter's own: two spellings, each rank imports its own
+    a = mc.model_copy(update={"megatron_path": "/a"})
+    # --megatron-base installed beside the interpreter's own: two spellings, two servers
     own = megatron_source()["path"] if megatron_source() else "/nonexistent"
-    for configs, megatron, source in (([config], False, None), ([config, mc], True, None),
-                                      ([mc, mc.model_copy(update={"megatron_path": "/a"})], False, None),
-                                      ([mc.model_copy(update={"megatron_path": "/a"})] * 2, True, "/a"),
-                                      ([mc.model_copy(update={"device": "cuda"})], False, None),
-                                      ([mc, mc.model_copy(update={"megatron_path": own})], False, None)):
+    for configs, megatron, source, servers in (([config], False, None, []), ([config, mc], True, None, []),
+                                               ([mc, a], servers_start, None, ["/a"]),
+                                               ([a] * 2, True, "/a", []),
+                                               ([a, mc.model_copy(update={"megatron_path": "/b"})], servers_start,
+                                                "/a", ["/b"]),
+                                               ([mc.model_copy(update={"device": "cuda"})], False, None, []),
+                                               ([mc, mc.model_copy(update={"megatron_path": own})], servers_start,
+                                                None, [own])):
+        started.clear()
         runner.preload(configs)
         modules, preloaded_from = seen[-1]
         assert ("megatron_trainer.preload" in modules) == megatron, (configs, modules)
-        assert modules[0] == "reference_impl.worker" and preloaded_from == source, (configs, seen[-1])
+        assert modules[0] == "reference_impl.worker", (configs, seen[-1])
+        assert preloaded_from == (source if megatron else None), (configs, seen[-1])
+        assert [s[0] for s in started] == servers, started
+        for server, env_source, env_modules, preload in started:
+            assert env_source == server and preload == [runner.PRELOAD_GUARD]
+            assert env_modules[:2] == ["reference_impl.worker", "megatron_trainer.worker"]
+            assert env_modules[-1] == "megatron_trainer.preload"
