@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from conftest import ROOT, run_cli, verify_once  # noqa: E402
+from conftest import ROOT, once, run_cli, verify_once, verify_text_once  # noqa: E402
 from test_cli_errors import _check_usage_error  # noqa: E402
 
 CASE = ROOT / "tests" / "cases" / "megatron-small.yaml"
@@ -43,10 +43,6 @@ EXPERT_BIASES = {"decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.ml
 TRAIN_ITERS, NUM_MICROBATCHES = 2, 4
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
-
-
-def _verify(out, case, *args):
-    return _read(run_cli("verify", case, "--out", out, *args), out, case)
 
 
 def _read(proc, out, case):
@@ -77,11 +73,10 @@ def megatron(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The same layouts on the reference trainer (the case, with ``trainer: reference``)."""
-    out = tmp_path_factory.mktemp("reference")
-    case = out / "megatron-small-reference.yaml"
-    case.write_text(f"extends: {CASE}\nname: megatron-small-reference\ntrainer: reference\n")
     only = [a for name in STRUCTURAL if name != BASELINE for a in ("--only", name)]
-    proc, verdicts, report = _verify(out, case, *only)
+    proc, out = verify_text_once(tmp_path_factory, "megatron-small-reference.yaml",
+                                 f"extends: {CASE}\nname: megatron-small-reference\ntrainer: reference\n", *only)
+    proc, verdicts, report = _read(proc, out, out / "megatron-small-reference.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(verdicts) == set(STRUCTURAL)
     return report
@@ -89,9 +84,9 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["skip_mtp_embedding_sync", "default_embedding_group"])
 def injected(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
     only = [a for name in STRUCTURAL if name != BASELINE for a in ("--only", name)]
-    proc, verdicts, _ = _verify(out, CASE, "--inject", request.param, *only)
+    proc, out = verify_once(tmp_path_factory, CASE, "--inject", request.param, *only)
+    proc, verdicts, _ = _read(proc, out, CASE)
     return request.param, proc, verdicts
 
 
@@ -348,9 +343,10 @@ POINTS = MOVED + FIXED
 
 
 @pytest.fixture(scope="module")
-def compat_probe():
-    proc = subprocess.run([sys.executable, "-c", COMPAT_PROBE, "none", "cuda", "version", *POINTS], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+def compat_probe(tmp_path_factory):
+    proc, _ = once(tmp_path_factory, ["compat-probe", *POINTS], lambda _: subprocess.run(
+        [sys.executable, "-c", COMPAT_PROBE, "none", "cuda", "version", *POINTS], cwd=ROOT, capture_output=True,
+        text=True, timeout=300))
     assert proc.returncode == 0, proc.stderr
     out = {}
     for line in proc.stdout.splitlines():
