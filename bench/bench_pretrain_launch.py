@@ -77,7 +77,7 @@ def main() -> int:
         cmp = subprocess.run([sys.executable, "-m", "harness", "compare", str(Path(tmp) / "torchrun0"),
                               str(Path(tmp) / "fork0"), "--out", str(Path(tmp) / "rep")], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("wall_s", "cpu_s")} for k, v in rows.items()}
+    med = {k: {m: round(statistics.median(r[m] for r in v), 2) for m in ("wall_s", "cpu_s")} for k, v in rows.items()}
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "python": platform.python_version()},
               "job": f"{ARGS.relative_to(ROOT)} layout {LAYOUT}, {NPROC} ranks", "repeats": rows, "median": med,
