@@ -8,12 +8,11 @@ CUDA, which a forked rank then cannot use).
 A megatron that cannot be activated or imported here is left to the ranks: each activates and imports it again,
 fails the same way and reports it as the run's error (`trainerkit.preload` swallows what is not an ImportError).
 """
-import importlib
 import os
 
 from megatron_trainer import worker  # noqa: F401  the worker's own guard (forkserver: SIGINT ignored) first
 from megatron_trainer.source import SourceError, activate
-from trainerkit.process import PRELOAD_SOURCE_ENV
+from trainerkit.process import PRELOAD_SOURCE_ENV, import_before_fork
 
 #: what a rank imports after the fork unless it is here: the rank's own module (`megatron_trainer.train`, which
 #: imports the model, options, checkpoint and optimizer views) and what megatron imports lazily while building a
@@ -33,8 +32,4 @@ try:                            # the optional extra: without it the harness say
 except (ImportError, SourceError):
     pass
 else:
-    for _name in _MODULES:
-        try:
-            importlib.import_module(_name)
-        except Exception:       # noqa: BLE001  a rank imports it again and reports what fails (a planted tree)
-            pass
+    import_before_fork(_MODULES)

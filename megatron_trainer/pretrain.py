@@ -130,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         script_args += ["--no-load-rng"]
     if args.bitparity_nproc is None:
         return _run_rank(script, script_args, out, args.bitparity_init)
+    from trainerkit.process import import_before_fork
+
     from . import fork_launch
-    _import_training()
+    import_before_fork(_TRAINING_IMPORTS)
     return fork_launch.launch(args.bitparity_nproc,
                               lambda: _run_rank(script, script_args, out, args.bitparity_init))
 
@@ -141,15 +143,6 @@ def main(argv: list[str] | None = None) -> int:
 _TRAINING_IMPORTS = ("megatron.training", "megatron.training.training", "megatron.training.arguments",
                      "megatron.training.argument_utils", "megatron.core.models.gpt", "megatron.core.datasets.gpt_dataset",
                      "megatron.core.pipeline_parallel", "megatron.core.optimizer")
-
-
-def _import_training() -> None:
-    import importlib
-    for name in _TRAINING_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except Exception:       # noqa: BLE001  each rank imports it again and fails with the real error
-            pass
 
 
 def _run_rank(script: Path, script_args: list, out: Path, init_seed) -> int:

@@ -15,14 +15,9 @@ worker module that cannot even be compiled never reaches its own call.
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 from . import process
 
 process.guard_forkserver()
-for _name in filter(None, os.environ.get(process.PRELOAD_ENV, "").split(",")):
-    try:
-        importlib.import_module(_name)
-    except (Exception, SystemExit):     # noqa: BLE001  the rank imports it again and reports why it fails
-        pass
+process.import_before_fork(filter(None, os.environ.get(process.PRELOAD_ENV, "").split(",")))

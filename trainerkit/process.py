@@ -50,6 +50,18 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def import_before_fork(names) -> None:
+    """Import each module of `names` in this process, which ranks are forked from afterwards; one that fails to
+    import, for whatever reason (a syntax error in a planted copy, a module a release lacks), is skipped: a rank
+    that needs it imports it again and reports the real error as its own."""
+    import importlib
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit):     # noqa: BLE001  the rank's error, not this process's
+            pass
+
+
 def imported_by_forkserver() -> bool:
     """True in multiprocessing's forkserver itself, which imports the worker modules as a preload
     (`harness.running.runner`); False in a rank it forked (whose stack also holds the forkserver's ``main``, below

@@ -27,7 +27,6 @@ from typing import Optional
 #: source (the ``megatron_path`` of its runs, as written) -> its forkserver; filled in the harness's main thread
 #: before any run starts (`start`), read by the runs' threads
 _SERVERS: dict[str, forkserver.ForkServer] = {}
-_LAUNCH: dict[str, types.FunctionType] = {}
 
 
 def _launch_via(server: forkserver.ForkServer) -> types.FunctionType:
@@ -43,7 +42,7 @@ def _launch_via(server: forkserver.ForkServer) -> types.FunctionType:
 
 class _Popen(popen_forkserver.Popen):
     def _launch(self, process_obj):
-        _LAUNCH[process_obj.megatron_source](self, process_obj)
+        _launch_via(_SERVERS[process_obj.megatron_source])(self, process_obj)
 
 
 class SourceProcess(ForkServerProcess):
@@ -68,24 +67,34 @@ def start(source: str, env: dict[str, str], preload: list[str]) -> bool:
         server.set_forkserver_preload(preload)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    # as for the module's forkserver (`runner._start_forkserver`): the resource tracker first, SIGINT blocked
-    # while the server starts up, so a Ctrl-C then cannot end it with a traceback on the user's terminal
-    resource_tracker.ensure_running()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        server.ensure_running()
+        ensure_running(server.ensure_running)
     except OSError:
         return False
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
     _SERVERS[source] = server
-    _LAUNCH[source] = _launch_via(server)
     return True
+
+
+def ensure_running(start) -> None:
+    """``start()`` (a forkserver's ``ensure_running``) with multiprocessing's resource tracker started first and
+    SIGINT blocked meanwhile: the new interpreter inherits the mask through fork and exec, so a Ctrl-C while it
+    still starts up (site, the preload imports) cannot end it with "Fatal Python error: init_import_site" and a
+    traceback on the user's terminal (seen under load); it stays blocked there and in the ranks forked from it,
+    which ignore SIGINT anyway (`trainerkit.process.guard_forkserver`) and are ended by the harness.  The
+    harness's own Ctrl-C waits the few milliseconds of the spawn and arrives when the mask is restored.  (The
+    resource tracker first: starting it unblocks SIGINT and SIGTERM in the calling thread.)"""
+    resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def serves(source: Optional[str]) -> bool:

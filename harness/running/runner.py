@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Optional
 
@@ -110,20 +110,8 @@ def preload(configs) -> None:
 def _start_forkserver() -> None:
     # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
     # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
-    # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone.
-    # With SIGINT blocked, which the new interpreter inherits through fork and exec (multiprocessing's resource
-    # tracker is started the same way): a Ctrl-C while it still starts up (site, the preload imports) would
-    # end it with "Fatal Python error: init_import_site" and a traceback on the user's terminal (seen under
-    # load); it stays blocked there and in the ranks forked from it, which ignore SIGINT anyway
-    # (trainerkit.process.guard_forkserver) and are ended by the harness.  The harness's own Ctrl-C waits
-    # the few milliseconds of the spawn and arrives when the mask is restored.
-    # (the resource tracker first: starting it unblocks SIGINT and SIGTERM in the calling thread)
-    resource_tracker.ensure_running()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone
+    forkservers.ensure_running(forkserver.ensure_running)
 
 
 def in_forkserver(fn, timeout_s: float = 60.0):
