@@ -378,8 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``bitparity`` console script; returns the exit code.  `argv` None: this process's
     command line (a --budget then counts from the process's start, `harness.STARTED`; once the code is known a
     Ctrl-C no longer interrupts the interpreter's shutdown, `interrupt.done`); else from this call."""
-    if argv is None:    # the command itself: it never computes with megatron (a library caller may)
-        trainers.checks_only_process()
     try:
         return _main(argv)
     finally:

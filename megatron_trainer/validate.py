@@ -7,13 +7,13 @@ overlap rules), in the harness process or, for a megatron the harness does not i
 prints a JSON list with one entry per config (None or the one-line problem), or ``{"error": line}`` when that
 megatron cannot be imported at all.
 
-A process that imports megatron only to validate (the ``bitparity`` command, this module's ``__main__``) says so
-with `checks_only`: its megatron is then imported with ``torch.compile`` an identity, which skips importing
-``torch._dynamo`` for megatron's ~35 ``@jit_fuser`` helpers (``megatron/core/jit.py``): 1.4-1.9 s of the 4.3-5.2
-s of CPU megatron's import costs on 2 cores (measured 2026-12-07, 0.16.1 on Python 3.11 and 0.19.2 on 3.12), in
-every ``bitparity verify`` of a megatron case.  The ranks import their own megatron (the forkserver's preload, a
-torchrun rank) with ``torch.compile`` untouched; only a process that computes nothing with megatron may skip it,
-so a library caller (a test computing with megatron in-process) keeps the real one.
+A process that imports megatron only to validate (this module's ``__main__``) says so with `checks_only`: its
+megatron is then imported with ``torch.compile`` an identity, which skips importing ``torch._dynamo`` for
+megatron's ~35 ``@jit_fuser`` helpers (``megatron/core/jit.py``): 1.4-1.9 s of the 4.3-5.2 s of CPU megatron's
+import costs on 2 cores (measured 2026-12-07, 0.16.1 on Python 3.11 and 0.19.2 on 3.12).  The ``bitparity``
+command imports megatron for real: its forkserver is that process forked (`harness.running.forkservers`), so the
+ranks compute with the command's import.  Only a process that computes nothing with megatron, and forks nothing
+that does, may skip it.
 """
 from __future__ import annotations
 

@@ -244,6 +244,54 @@ def test_the_forkserver_is_born_with_sigint_blocked():
     assert int(proc.stdout.split()[-1]) & (1 << (signal.SIGINT - 1)), proc.stdout
 
 
+COUNTED = """\
+import os, signal
+with open(os.environ["COUNT_FILE"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+def state():
+    return {"sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT))}
+"""
+FORKED_SERVER = textwrap.dedent("""
+    import fcntl, json, os, signal, sys, threading, time
+    from multiprocessing import forkserver
+    from harness.running import runner
+    signal.signal(signal.SIGTERM, lambda *_: None)      # the harness's own handlers (harness.running.interrupt)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    import counted
+    lock = open(sys.argv[1], "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if sys.argv[2] == "second thread":
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    runner._set_preload([runner.WORKERS["reference"], "counted"])
+    runner._start_forkserver()
+    state = runner.in_forkserver(counted.state)
+    pid = forkserver._forkserver._forkserver_pid
+    held = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    print(json.dumps({"state": state, "holds_lock": sys.argv[1] in held, "ppid": os.getpid() == int(
+        next(l for l in open(f"/proc/{pid}/status") if l.startswith("PPid:")).split()[1])}))
+""")
+
+
+@pytest.mark.parametrize("harness", ["one thread", "second thread"])
+def test_the_forkserver_is_the_harness_forked_and_imports_nothing_twice(tmp_path, harness):
+    """`harness.running.forkservers.forked_spawn`: a harness of one thread forks its forkserver instead of starting
+    a new interpreter, so a preload module the harness has imported (megatron-core, which it imported to validate
+    the runs) is imported once per ``verify``, not twice; the server holds none of the harness's descriptors (the
+    report directory's flock), nor its signal handlers (SIGTERM default, SIGINT ignored, as a spawned server).  A
+    harness with a second thread spawns (a fork copies one thread): the module is imported again there."""
+    (tmp_path / "counted.py").write_text(COUNTED)
+    count = tmp_path / "imports.txt"
+    env = {**os.environ, "COUNT_FILE": str(count), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-c", FORKED_SERVER, str(tmp_path / "report.lock"), harness], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"state": {"sigterm": str(signal.SIG_DFL), "sigint": str(signal.SIG_IGN)}, "holds_lock": False,
+                   "ppid": True}, out
+    assert len(count.read_text().split()) == (1 if harness == "one thread" else 2), count.read_text()
+
+
 def test_a_passing_reference_verify_never_imports_torch_in_the_harness(tmp_path):
     """The harness process validates, schedules, judges and reports without torch (~1.3 s of CPU per ``verify``
     on 2 cores): the ranks and the forkserver have it, and the manifest's arithmetic facts come from a child of

@@ -53,13 +53,28 @@ def die_with_parent(parent: int) -> None:
 def import_before_fork(names) -> None:
     """Import each module of `names` in this process, which ranks are forked from afterwards; one that fails to
     import, for whatever reason (a syntax error in a planted copy, a module a release lacks), is skipped: a rank
-    that needs it imports it again and reports the real error as its own."""
+    that needs it imports it again and reports the real error as its own.  What the imports warn (megatron-core:
+    "MimoModelConfig is experimental") is not shown: it reached the harness's terminal from its forkserver."""
     import importlib
+    import warnings
     for name in names:
         try:
-            importlib.import_module(name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                importlib.import_module(name)
         except (Exception, SystemExit):     # noqa: BLE001  the rank's error, not this process's
             pass
+
+
+def forked_to_serve(parent: int) -> None:
+    """In a forkserver forked from the harness `parent` (not a new interpreter, so this module may have been
+    imported by the harness itself): take the values it reads at import as if imported here (`PARENT_AT_IMPORT`
+    the harness, `IMPORTED_BY` this server, which its ranks then die with) and die with the harness.
+
+    Raises OSError when prctl fails."""
+    global PARENT_AT_IMPORT, IMPORTED_BY
+    PARENT_AT_IMPORT, IMPORTED_BY = parent, os.getpid()
+    die_with_parent(parent)
 
 
 def imported_by_forkserver() -> bool:

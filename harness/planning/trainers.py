@@ -208,14 +208,6 @@ def megatron_config_problem(config: RunConfig) -> Optional[str]:
     return config_problem(config)
 
 
-def checks_only_process() -> None:
-    """This process (the ``bitparity`` command) imports megatron-core only to validate runs, never to compute
-    with it: `megatron_trainer.validate.checks_only` (megatron's import without ``torch.compile``, ~1.5 s of CPU
-    less per ``verify`` of a megatron case)."""
-    from megatron_trainer.validate import checks_only
-    checks_only()
-
-
 def validate_elsewhere(configs: list[RunConfig], timeout_s: float = 300.0) -> list[Optional[str]]:
     """`megatron_config_problem` of each config, all with one ``megatron_path`` the harness does not import, in
     a process of its own that imports that megatron (``python -m megatron_trainer.validate``).

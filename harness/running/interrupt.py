@@ -44,6 +44,13 @@ def install() -> None:
     signal.signal(signal.SIGTERM, _on_signal)
 
 
+def forget() -> None:
+    """In a copy of the harness that is not the harness (a forkserver forked from it,
+    `harness.running.forkservers.forked_spawn`): it neither handles the harness's signals nor reports them."""
+    global _installed, _received
+    _installed, _received = False, None
+
+
 def installed() -> bool:
     """Whether `install` took the signals in this process (the harness; not its forkserver or ranks)."""
     return _installed

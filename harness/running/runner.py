@@ -104,14 +104,23 @@ def preload(configs) -> None:
                                  [PRELOAD_GUARD]) for other in others):
             modules, source = libraries, first
     _set_preload(modules, source)
+    global _HOLDS_OWN_LIBRARY
+    _HOLDS_OWN_LIBRARY = source is None and modules != [WORKERS[t] for t in names]
     _start_forkserver()
+
+
+#: whether the forkserver's preload holds the interpreter's own megatron-core (`preload`)
+_HOLDS_OWN_LIBRARY = False
 
 
 def _start_forkserver() -> None:
     # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
     # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
-    # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone
-    forkservers.ensure_running(forkserver.ensure_running)
+    # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone.
+    # Forked from this process (`forkservers.forked_spawn`) unless this process has imported a megatron the
+    # preload would not import: another directory's, or one the server must not hold (CUDA runs)
+    fork = "megatron" not in sys.modules or _HOLDS_OWN_LIBRARY
+    forkservers.ensure_running(forkserver.ensure_running, fork=fork)
 
 
 def in_forkserver(fn, timeout_s: float = 60.0):
