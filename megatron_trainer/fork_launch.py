@@ -8,7 +8,11 @@ parent's imports and its compatibility points (`pretrain`: applied before the fo
 patched megatron).  Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; megatron's ``initialize_megatron`` reads them through
 ``torch.distributed``'s env:// rendezvous), so the script cannot tell the difference; the bits are those of a
-torchrun job (tests/test_pretrain_capture.py compares them).
+torchrun job (tests/test_pretrain_capture.py compares them).  As torchrun's agent does, the launcher hosts the
+job's TCPStore itself (``TORCHELASTIC_USE_AGENT_STORE``: every rank a client) on a port the kernel gives it, after
+the ranks are forked (its server thread is not copied into them); the port reaches them through a pipe.  A port
+picked free and left for rank 0 to bind can be taken meanwhile by another job on the host (seen on CI: rank 0's
+store failed with EADDRINUSE while other tests ran).
 
 CPU only: a process that has imported megatron has initialised CUDA on a GPU machine, and a forked child cannot
 use it (`pretrain` refuses the flag there, one line).  Like torchrun, the first rank that fails ends the job: the
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -29,24 +32,25 @@ from trainerkit.process import die_with_parent
 
 #: seconds the other ranks get to end after SIGTERM once one rank failed
 GRACE_S = 5.0
+#: where the job's store listens (one host: the ranks are this process's children)
+_HOST = "127.0.0.1"
 
 
-def _free_port() -> int:
-    """A TCP port on the loopback no one listens on now, for rank 0's store (as torchrun --standalone picks one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, nproc: int, port: int, parent: int, body: Callable[[], int]) -> None:
-    """The child: torchrun's variables, die with the launcher, run `body`, exit with its code (never returns)."""
+def _rank(rank: int, nproc: int, port_pipe: int, parent: int, body: Callable[[], int]) -> None:
+    """The child: torchrun's variables (the store's port read from `port_pipe` once the launcher hosts it), die
+    with the launcher, run `body`, exit with its code (never returns)."""
     code = 1
     try:
         die_with_parent(parent)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with os.fdopen(port_pipe, "rb") as pipe:
+            port = pipe.readline().strip()
+        if not port.isdigit():      # the launcher could not host the store: it ends the job itself
+            os._exit(1)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nproc),
-                          LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                          LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=_HOST, MASTER_PORT=port.decode(),
+                          TORCHELASTIC_USE_AGENT_STORE="True")
         code = body()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -62,6 +66,14 @@ def _rank(rank: int, nproc: int, port: int, parent: int, body: Callable[[], int]
         os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
 
 
+def _host_store(nproc: int):
+    """The job's TCPStore server on the loopback, on a port the kernel picks (torchrun's agent store)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    return dist.TCPStore(_HOST, 0, nproc, is_master=True, timeout=timedelta(seconds=300), wait_for_workers=False)
+
+
 def launch(nproc: int, body: Callable[[], int]) -> int:
     """Fork `nproc` ranks that each run ``body()`` (their exit status: its return value) and wait for them.
 
@@ -73,21 +85,35 @@ def launch(nproc: int, body: Callable[[], int]) -> int:
         ValueError: nproc < 1."""
     if nproc < 1:
         raise ValueError(f"nproc {nproc} must be >= 1")
-    port, parent = _free_port(), os.getpid()
+    parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     stopped: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _frame: stopped.append(signum))
                 for s in (signal.SIGINT, signal.SIGTERM)}
     ranks: dict[int, int] = {}
+    ports: list[int] = []       # the write end of each rank's port pipe
     try:
         for r in range(nproc):
+            read, write = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _rank(r, nproc, port, parent, body)
+                for fd in (*ports, write):
+                    os.close(fd)
+                _rank(r, nproc, read, parent, body)
+            os.close(read)
+            ports.append(write)
             ranks[pid] = r
+        store = _host_store(nproc)
+        for fd in ports:
+            os.write(fd, f"{store.port}\n".encode())
         return _wait(ranks, stopped)
     finally:
+        for fd in ports:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         _end(ranks)
         for s, handler in previous.items():
             signal.signal(s, handler)

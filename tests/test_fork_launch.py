@@ -70,6 +70,26 @@ def test_every_rank_gets_torchruns_environment(tmp_path):
     assert int(envs[0]["MASTER_PORT"]) > 0
 
 
+def test_the_store_is_the_launchers_and_listens_before_any_rank_runs(tmp_path):
+    """The launcher hosts the job's TCPStore, as torchrun's agent does (every rank a client:
+    ``TORCHELASTIC_USE_AGENT_STORE``), so no other job on the host can take its port between the pick and rank 0's
+    bind (CI: rank 0's store failed with EADDRINUSE while other tests ran).  Each rank finds it listening before it
+    does anything, and it is a TCPStore the ranks share."""
+    proc = _launcher(tmp_path, """
+        import socket
+        from datetime import timedelta
+        import torch.distributed as dist
+        socket.create_connection(("127.0.0.1", int(os.environ["MASTER_PORT"])), timeout=10).close()
+        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 3, is_master=False,
+                              timeout=timedelta(seconds=60))
+        store.set(f"rank{rank}", os.environ["TORCHELASTIC_USE_AGENT_STORE"])
+        (out / f"seen{rank}.txt").write_text(",".join(store.get(f"rank{r}").decode() for r in range(3)))
+    """)
+    stdout, stderr = _finish(proc, timeout=120)
+    assert proc.returncode == 0 and stdout.split()[-1] == "0", stdout + stderr
+    assert [(tmp_path / f"seen{r}.txt").read_text() for r in range(3)] == ["True,True,True"] * 3
+
+
 def test_a_failing_rank_ends_the_job_and_the_others_are_reaped(tmp_path):
     """Rank 1 exits 3 while ranks 0 and 2 would run for ever (rank 2 ignoring SIGTERM): the launcher returns 3
     within its grace period and no rank is left."""

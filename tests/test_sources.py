@@ -102,10 +102,12 @@ NO_SERVER = {"harness/running/forkservers.py": [("    server = _SERVERS.get(sour
 def test_each_source_is_imported_once_by_its_forkserver_not_by_every_rank(tmp_path, sources):
     """Every run on one source (here a copy given as --megatron-head), and the same runs on two (a second copy as
     --megatron-base: PR #2136's first check): each copy is imported once by a forkserver of its own and the
-    ranks fork with it loaded.  Imports of each copy: the validator (a process of its own, as for any source the
-    harness does not import) and its forkserver, not one per rank (6 ranks per source: the baseline's 2 and the
-    standalone run's 4; ~4-8 s of CPU each on 2 cores).  Should the second source's server not start, every run
-    still runs, each rank importing its own megatron (the baseline alone here: validator + 2 ranks per copy)."""
+    ranks fork with it loaded.  Imports of the head: one, the harness's (it validates the head's runs, and its
+    forkserver is the harness forked: `harness.running.forkservers.forked_spawn`); of the base: the validator (a
+    process of its own, as for any source the harness does not import) and its forkserver; never one per rank (6
+    ranks per source: the baseline's 2 and the standalone run's 4; ~4-8 s of CPU each on 2 cores).  Should the
+    second source's server not start, every run still runs, each rank importing its own megatron (the baseline
+    alone here: validator + 2 ranks per copy)."""
     log = tmp_path / "imports.txt"
     planted = {"megatron/core/__init__.py": [(_IMPORTED, _IMPORTED_LOGGED)]}
     copies = {"head": planted_megatron(tmp_path / "head", planted)}
@@ -130,8 +132,8 @@ def test_each_source_is_imported_once_by_its_forkserver_not_by_every_rank(tmp_pa
             assert header["settings"]["megatron_path"] == str(copy.resolve()), (run, trace.name)
             ranks[copy] = ranks.get(copy, 0) + 1
     assert set(ranks.values()) == {2 if fallback else 6}, ranks
-    per_copy = 1 + 2 if fallback else 2
-    assert _imports(log) == {str(copy.resolve()): per_copy for copy in copies.values()}, log.read_text()
+    per_copy = {"head": 1 + 2, "base": 1 + 2} if fallback else {"head": 1, "base": 2}
+    assert _imports(log) == {str(copy.resolve()): per_copy[role] for role, copy in copies.items()}, log.read_text()
 
 
 def test_a_planted_megatron_change_fails_at_the_mtp_loss(tmp_path):

@@ -109,8 +109,9 @@ def ensure_running(start, fork: bool = False) -> None:
 
 
 def forkable() -> bool:
-    """Whether a forkserver may be forked from this process: it runs one thread (a fork copies only the calling
-    thread, and a lock another thread holds would stay taken in the copy for ever)."""
+    """Whether a forkserver may be forked from this process: it runs one Python thread (a fork copies only the
+    calling thread, and a lock another thread holds would stay taken in the copy for ever).  torch's import starts
+    one native helper thread of its own, which a spawned forkserver also has when it forks the ranks."""
     return threading.active_count() == 1
 
 

@@ -98,19 +98,23 @@ def preload(configs) -> None:
         # import; every further source (--megatron-base next to the head) in a forkserver of its own.  Should one
         # not start, its runs fork from the module's forkserver, which then must hold no megatron (each of their
         # ranks imports its own, as before there were servers per source)
-        first, *others = sorted(sources, key=lambda s: (s is not None, s or ""))
+        # the one this process imports first (the head): its server is this process forked (`_start_forkserver`)
+        mine = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer) and trainers.imported_here(c)}
+        first, *others = sorted(sources, key=lambda s: (s is not None, s not in mine, s or ""))
         from trainerkit.process import PRELOAD_ENV, PRELOAD_SOURCE_ENV
         if all(forkservers.start(other, {PRELOAD_ENV: ",".join(libraries), PRELOAD_SOURCE_ENV: other},
                                  [PRELOAD_GUARD]) for other in others):
             modules, source = libraries, first
     _set_preload(modules, source)
-    global _HOLDS_OWN_LIBRARY
-    _HOLDS_OWN_LIBRARY = source is None and modules != [WORKERS[t] for t in names]
+    global _HOLDS_MY_MEGATRON
+    _HOLDS_MY_MEGATRON = modules != [WORKERS[t] for t in names] and all(
+        trainers.imported_here(c) for c in configs if trainers.runs_megatron(c.trainer) and c.megatron_path == source)
     _start_forkserver()
 
 
-#: whether the forkserver's preload holds the interpreter's own megatron-core (`preload`)
-_HOLDS_OWN_LIBRARY = False
+#: whether the forkserver's preload is the megatron-core this process imports (`preload`): the interpreter's own
+#: or the ``--megatron-head`` the harness activated (`planning.sources.use_head`)
+_HOLDS_MY_MEGATRON = False
 
 
 def _start_forkserver() -> None:
@@ -119,7 +123,7 @@ def _start_forkserver() -> None:
     # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone.
     # Forked from this process (`forkservers.forked_spawn`) unless this process has imported a megatron the
     # preload would not import: another directory's, or one the server must not hold (CUDA runs)
-    fork = "megatron" not in sys.modules or _HOLDS_OWN_LIBRARY
+    fork = "megatron" not in sys.modules or _HOLDS_MY_MEGATRON
     forkservers.ensure_running(forkserver.ensure_running, fork=fork)
 
 
