@@ -91,24 +91,23 @@ def preload(configs) -> None:
     # forkserver imports its preload before it takes the harness's sys.path), not the head --megatron-head put first
     # on the harness's (`planning.sources.use_head`); `megatron_trainer.preload` puts a named directory first
     sources = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer)}
-    source = None
+    source, holds_mine = None, False
     if sources and not any(c.device == "cuda" for c in configs):
         libraries = modules + [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
-        # the interpreter's own megatron (None) in multiprocessing's forkserver, which only its own path can
-        # import; every further source (--megatron-base next to the head) in a forkserver of its own.  Should one
-        # not start, its runs fork from the module's forkserver, which then must hold no megatron (each of their
-        # ranks imports its own, as before there were servers per source)
-        # the one this process imports first (the head): its server is this process forked (`_start_forkserver`)
+        # the megatron this process imports (the interpreter's own, None, or the --megatron-head it activated) in
+        # multiprocessing's forkserver, which is then this process forked (`_start_forkserver`); every further
+        # source (--megatron-base next to the head) in a forkserver of its own.  Should one not start, its runs
+        # fork from the module's forkserver, which then must hold no megatron (each of their ranks imports its
+        # own, as before there were servers per source)
         mine = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer) and trainers.imported_here(c)}
         first, *others = sorted(sources, key=lambda s: (s is not None, s not in mine, s or ""))
         from trainerkit.process import PRELOAD_ENV, PRELOAD_SOURCE_ENV
         if all(forkservers.start(other, {PRELOAD_ENV: ",".join(libraries), PRELOAD_SOURCE_ENV: other},
                                  [PRELOAD_GUARD]) for other in others):
-            modules, source = libraries, first
+            modules, source, holds_mine = libraries, first, first in mine
     _set_preload(modules, source)
     global _HOLDS_MY_MEGATRON
-    _HOLDS_MY_MEGATRON = modules != [WORKERS[t] for t in names] and all(
-        trainers.imported_here(c) for c in configs if trainers.runs_megatron(c.trainer) and c.megatron_path == source)
+    _HOLDS_MY_MEGATRON = holds_mine
     _start_forkserver()
 
 
