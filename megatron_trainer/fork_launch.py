@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import Callable
 
-from trainerkit.process import die_with_parent
+from trainerkit.process import die_with_parent, freeze_inherited
 
 #: seconds the other ranks get to end after SIGTERM once one rank failed
 GRACE_S = 5.0
@@ -42,6 +42,7 @@ def _rank(rank: int, nproc: int, port_pipe: int, parent: int, body: Callable[[],
     code = 1
     try:
         die_with_parent(parent)
+        freeze_inherited()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with os.fdopen(port_pipe, "rb") as pipe:

@@ -410,3 +410,50 @@ def test_a_trainer_that_cannot_be_imported_is_a_per_run_error(tmp_path, path):
         assert re.fullmatch(r"rank \d+ exited with code 1: " + re.escape(want), v["reason"]), (v["reason"], want)
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr    # it is in the rank logs
     assert (tmp_path / "out" / summary["case"] / "index.html").exists()
+
+
+@pytest.mark.parametrize("launcher", ["forkserver rank", "bitparity-nproc rank"])
+def test_a_forked_rank_never_collects_what_it_inherited(tmp_path, launcher):
+    """`trainerkit.process.freeze_inherited`, in both ways a rank is forked without exec (`enter_rank` of a
+    forkserver's rank, `megatron_trainer.fork_launch`'s child): an object the rank inherited is not among those its
+    collector visits (each visit writes the object's header and copies its page from the parent), while a cycle
+    the rank makes itself is still collected."""
+    import gc
+    import weakref
+
+    from megatron_trainer import fork_launch
+    from trainerkit import process
+
+    inherited = [[]]                    # tracked by the collector, made before the fork
+    result = tmp_path / "result.json"
+
+    def check() -> int:
+        class Cycle:
+            pass
+        made = Cycle()
+        made.self = made
+        gone = weakref.ref(made)
+        del made
+        gc.collect()
+        visited = any(o is inherited for o in gc.get_objects())
+        result.write_text(json.dumps({"inherited_visited": visited, "own_cycle_collected": gone() is None}))
+        return 0
+
+    port_r, port_w = os.pipe()
+    os.write(port_w, b"1\n")
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:                        # never returns: both end the child with os._exit
+        if launcher == "forkserver rank":
+            try:
+                process.enter_rank(0, str(tmp_path), forked=True)
+                check()
+            finally:
+                os._exit(0)
+        fork_launch._rank(0, 1, port_r, parent, check)
+    os.close(port_r)
+    os.close(port_w)
+    _, status = os.waitpid(pid, 0)
+    log = tmp_path / "rank0.log"
+    assert os.waitstatus_to_exitcode(status) == 0, log.read_text() if log.exists() else status
+    assert json.loads(result.read_text()) == {"inherited_visited": False, "own_cycle_collected": True}

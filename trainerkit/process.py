@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -48,6 +49,18 @@ def die_with_parent(parent: int) -> None:
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
     if os.getppid() != parent:
         os._exit(1)
+
+
+def freeze_inherited() -> None:
+    """In a process forked without exec (a rank of the forkserver or of ``--bitparity-nproc``): never let this
+    process's garbage collector visit an object it inherited (``gc.freeze``: the generations' lists join the
+    permanent one, a constant-time splice).  A collection writes into the header of every object it visits, and
+    each such write copies the whole page the object shares with its parent (copy on write): measured on 2 cores,
+    a 16-rank DeepSeek-V3 run of the reference trainer took 924,584 page faults, half of them in
+    ``gc_collect_main`` (``perf record -e page-faults``), and 437,646 with this.  CPython's advice for fork
+    without exec (the ``gc.freeze`` documentation) is the same.  Objects the process creates itself are
+    collected as before; the inherited ones live as long as the process, which they would anyway."""
+    gc.freeze()
 
 
 def import_before_fork(names) -> None:
@@ -112,6 +125,8 @@ def enter_rank(rank: int, run_dir: str, forked: bool) -> TextIO:
     and removed it, so there is nothing to report to."""
     if forked and IMPORTED_BY != os.getpid():
         die_with_parent(IMPORTED_BY)
+    if forked:
+        freeze_inherited()
     if _LIBC is not None:       # prctl(PR_SET_NAME): the kernel keeps 15 bytes; a failure only loses the name
         _LIBC.prctl(_PR_SET_NAME, f"bitparity-r{rank}".encode()[:15], 0, 0, 0)
     try:
