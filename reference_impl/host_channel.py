@@ -63,35 +63,12 @@ class HostChannel:
 
     @classmethod
     def connect(cls, store, key: str, rank: int, size: int, timeout_s: float) -> "HostChannel":
-        """Connect the `size` ranks of a group: each listens on an abstract Unix address (no file, gone with the
-        process) published under ``<key>/<rank>`` in `store` (the process group's store), then connects to every
-        lower rank and accepts every higher one.  `key` names the group, the same string on its ranks and unique
-        among the run's groups.  Raises `ChannelError` when a peer does not arrive within `timeout_s`."""
+        """Connect the `size` ranks of a group, every pair (`connect_peers`).  `key` names the group, the same
+        string on its ranks and unique among the run's groups.  Raises `ChannelError` when a peer does not arrive
+        within `timeout_s`."""
         if not usable(size):
             raise ValueError(f"a host channel needs a power-of-two group size >= 2, not {size}")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        address = f"\0bitparity-{uuid.uuid4().hex}"
-        listener.bind(address)
-        listener.listen(size)
-        listener.settimeout(timeout_s)
-        store.set(f"{key}/{rank}", address)
-        peers: dict[int, socket.socket] = {}
-        try:
-            for lower in range(rank):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(timeout_s)
-                s.connect(store.get(f"{key}/{lower}").decode())
-                s.sendall(_LEN.pack(rank))
-                peers[lower] = s
-            for _ in range(rank + 1, size):
-                s, _ = listener.accept()
-                s.settimeout(timeout_s)
-                (higher,) = _LEN.unpack(_recv_exact(s, _LEN.size, "a joining peer"))
-                peers[higher] = s
-        except socket.timeout as e:
-            raise ChannelError(f"EP rank {rank}: a peer of group {key!r} did not connect within {timeout_s:g} s") from e
-        finally:
-            listener.close()
+        peers = connect_peers(store, key, rank, set(range(size)) - {rank}, timeout_s, f"EP rank {rank}")
         return cls(rank, size, peers, timeout_s)
 
     def close(self) -> None:
@@ -140,6 +117,40 @@ class HostChannel:
         for d in range(1, self.size):
             partner = self.rank ^ d
             self._exchange(partner, src, parts[partner])
+
+
+def connect_peers(store, key: str, rank: int, peers: set[int], timeout_s: float, who: str) -> dict[int, socket.socket]:
+    """A stream socket to each of `peers` (ids in one numbering with `rank`; every peer names this rank among its
+    own), made collectively: each rank listens on an abstract Unix address (no file, gone with the process)
+    published under ``<key>/<rank>`` in `store` (the process group's store), then connects to every lower peer and
+    accepts every higher one.  The sockets block, with `timeout_s`.  Raises `ChannelError` (`who` names this rank)
+    when a peer does not arrive within `timeout_s`, or one that is not among `peers` does."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address = f"\0bitparity-{uuid.uuid4().hex}"
+    listener.bind(address)
+    listener.listen(max(1, len(peers)))
+    listener.settimeout(timeout_s)
+    store.set(f"{key}/{rank}", address)
+    out: dict[int, socket.socket] = {}
+    try:
+        for lower in sorted(p for p in peers if p < rank):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(timeout_s)
+            s.connect(store.get(f"{key}/{lower}").decode())
+            s.sendall(_LEN.pack(rank))
+            out[lower] = s
+        for _ in [p for p in peers if p > rank]:
+            s, _ = listener.accept()
+            s.settimeout(timeout_s)
+            (higher,) = _LEN.unpack(_recv_exact(s, _LEN.size, "a joining peer"))
+            if higher not in peers or higher in out:
+                raise ChannelError(f"{who}: rank {higher} joined group {key!r}, which expects {sorted(peers)}")
+            out[higher] = s
+    except socket.timeout as e:
+        raise ChannelError(f"{who}: a peer of group {key!r} did not connect within {timeout_s:g} s") from e
+    finally:
+        listener.close()
+    return out
 
 
 def _send(s: socket.socket, payload: memoryview) -> None:

@@ -1,6 +1,7 @@
 """Device placement and communication backend of one rank, chosen automatically and recorded.
 
-* CPU: gloo, tensors sent as they are.
+* CPU: gloo, tensors sent as they are; between ranks forked on this host the pipeline's boundary tensors go over
+  Unix sockets instead (`host_pipe`: gloo's CPU per message was several times the stage's work it moves).
 * CUDA with at least one GPU per rank: NCCL, rank r on ``cuda:r`` (p2p and collectives on device).
 * CUDA with fewer GPUs than ranks (several pipeline ranks share a GPU): NCCL refuses two ranks on one
   device ("invalid usage") and gloo cannot send CUDA tensors ("writev: Bad address"), so boundary tensors
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import host_channel
+from . import host_channel, host_pipe
 
 # cuBLAS needs a pinned workspace for deterministic GEMMs (must be set before the first cuBLAS call).
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
@@ -60,6 +61,8 @@ class Transport:
     #: the process group's store when every rank was forked on this host (the fork launcher), else None (torchrun)
     host_store: object = None
     timeout_s: float = 300.0
+    #: the pipeline's boundary messages over host sockets (CPU ranks forked on this host), else None (torch.distributed)
+    pipe: Optional[host_pipe.HostPipe] = None
 
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank `pp_rank` in this rank's EP column."""
@@ -86,17 +89,23 @@ class Transport:
             line = "gloo (cpu)"
         else:
             line = "gloo via pinned host memory (GPUs shared)" if self.staged else "nccl (one GPU per rank)"
-        return line + ("; expert-parallel collectives over host sockets" if self.host_channel_store is not None
-                       else "")
+        return line + ("; pipeline p2p over host sockets" if self.pipe is not None else "") + \
+            ("; expert-parallel collectives over host sockets" if self.host_channel_store is not None else "")
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu", non_blocking=False).pin_memory() if self.staged else t
 
     def batch(self, sends: list, recv: Optional[tuple]):
         """Post queued sends [(tensor, peer, tag)] and at most one receive (shape, dtype, peer, tag) together
-        (``batch_isend_irecv``); wait for the receive.  Peers are pipeline ranks (`global_rank` maps them
-        into this rank's EP column).  Returns (received tensor on this device or None, send works to wait on
-        before the sent tensors may be freed)."""
+        (``batch_isend_irecv``, or `pipe`'s sockets); wait for the receive.  Peers are pipeline ranks
+        (`global_rank` maps them into this rank's EP column).  Returns (received tensor on this device or None,
+        send works to wait on before the sent tensors may be freed)."""
+        if self.pipe is not None:
+            works = [(self.pipe.send(t, self.global_rank(peer), tag), t) for t, peer, tag in sends]
+            if recv is None:
+                return None, works
+            shape, dtype, peer, tag = recv
+            return self.pipe.recv(shape, dtype, self.global_rank(peer), tag), works
         ops, keep = [], []
         for t, peer, tag in sends:
             h = self._host(t)
@@ -141,7 +150,14 @@ def setup(device: str, rank: int, world_size: int, store, timeout_s: float,
               host_store=store, timeout_s=timeout_s)
     if device == "cpu":
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        return Transport("gloo", torch.device("cpu"), False, {}, **ep)
+        transport = Transport("gloo", torch.device("cpu"), False, {}, **ep)
+        if store is not None:       # forked on this host: the boundaries go over sockets to the ring neighbours
+            size = expert_model_parallel_size
+            pp, column = divmod(rank, size)
+            peers = {p * size + column for p in host_pipe.ring_neighbours(pp, world_size // size)}
+            if peers:
+                transport.pipe = host_pipe.HostPipe.connect(store, "pipeline", rank, peers, timeout_s)
+        return transport
     settings = cuda_determinism()
     if not torch.cuda.is_available():
         raise RuntimeError("device: cuda requested but torch.cuda.is_available() is False")

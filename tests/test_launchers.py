@@ -2,9 +2,9 @@
 multi-process launch (torchrun: fresh processes, rank/world from the environment).
 
 Torchrun is run on three smoke layouts that between them take every launch path (a single process, P=2
-1F1B, P=4 interleaved with a standalone MTP stage) and on P=2 with EP=2, whose expert collectives go over gloo
-under torchrun and over the host sockets of `reference_impl.host_channel` under the fork launcher (the same bits:
-both copy); the layout does not reach the launcher, and each torchrun run costs ~10 s of fresh interpreters on
+1F1B, P=4 interleaved with a standalone MTP stage) and on P=2 with EP=2, whose pipeline boundaries and expert
+collectives go over gloo under torchrun and over the host sockets of `reference_impl.host_pipe` / `host_channel`
+under the fork launcher (the same bits: both copy); the layout does not reach the launcher, and each torchrun run costs ~10 s of fresh interpreters on
 2 cores."""
 import json
 
@@ -44,6 +44,10 @@ def test_torchrun_matches_fork(tmp_path):
     assert len(variants) == 4 and "runs/canonical_pp1" in variants and "runs/ep2_pp2" in variants
     for v in variants:
         assert _steps(tmp_path / "fork", v) == _steps(tmp_path / "torchrun", v), v
+    # the boundaries: host sockets between forked ranks (reference_impl/host_pipe.py), gloo under torchrun
+    for launcher, over_sockets in (("fork", True), ("torchrun", False)):
+        log = (tmp_path / launcher / "smoke" / "runs" / "pp4-vpp2-mtp-standalone" / "rank1.log").read_text()
+        assert ("pipeline p2p over host sockets" in log) is over_sockets, (launcher, log)
     summary = json.loads((tmp_path / "torchrun" / "smoke" / "summary.json").read_text())
     assert summary["environment"]["launcher"] == "torchrun"
 
