@@ -1,14 +1,18 @@
-"""Benchmark: the expert-parallel collectives of two ranks over gloo against the host sockets of
-`reference_impl.host_channel`, side by side in one run (the same processes, the same tensors, alternating rounds).
+"""Benchmark: the expert-parallel collectives and the pipeline boundary exchange of two ranks over gloo against the
+host sockets of `reference_impl.host_channel` / `host_pipe`, side by side in one run (the same processes, the same
+tensors, alternating rounds).
 
     python3 bench/bench_ep_channel.py [--iters 2000] [--rows 16] [--out FILE]
 
-Per collective (``all_to_all_single`` with even splits, ``all_gather``) and path: the CPU time of one rank's
+Per collective (``all_to_all_single`` with even splits, ``all_gather``; ``boundary``: each rank sends the other a
+dsv3 stage boundary [s, b, h] = [16, 1, 32] fp32 and receives the other's, as `transport.Transport.batch` does
+with ``batch_isend_irecv`` or `host_pipe.HostPipe`) and path: the CPU time of one rank's
 process per call (``time.process_time``, every thread: gloo's work and event-loop threads included) and the wall
 time per call, medians over rounds; then gloo / channel.  The tensors are a DeepSeek-V3 dsv3 MoE layer's: `--rows`
 (token, k) rows of hidden 32 fp32 per peer (cases/dsv3.yaml: 16 tokens x top-2 over EP = 2).  Both ranks check
 that each path delivered the same bytes (the channel's correctness has its own tests; this only guards the
-numbers).  Measured on 2 AMD EPYC cores (torch 2.13): a2a ~300 vs ~90 us of CPU, all_gather ~550 vs ~60 us.
+numbers).  Measured on 2 AMD EPYC cores (torch 2.13): a2a ~300 vs ~90 us of CPU, all_gather ~550 vs ~60 us,
+boundary ~170 vs ~20 us.
 """
 from __future__ import annotations
 
@@ -35,10 +39,13 @@ def _rank(rank: int, store_path: str, iters: int, rows: int, out_path: str) -> N
     import torch.distributed as dist
 
     from reference_impl.host_channel import HostChannel
+    from reference_impl.host_pipe import HostPipe
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     channel = HostChannel.connect(store, "bench", rank, 2, 60.0)
+    pipe = HostPipe.connect(store, "bench-pipe", rank, {1 - rank}, 60.0)
+    boundary = torch.randn(16, 1, 32, generator=torch.Generator().manual_seed(10 + rank))
     src = torch.randn(2 * rows, 32, generator=torch.Generator().manual_seed(rank))
     shard = src[:rows].contiguous()
     splits = [rows, rows]
@@ -56,8 +63,21 @@ def _rank(rank: int, store_path: str, iters: int, rows: int, out_path: str) -> N
             channel.all_gather(parts, shard)
         return torch.cat(parts)
 
+    def exchange(path):
+        if path == "gloo":
+            got = torch.empty_like(boundary)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, boundary, 1 - rank, tag=7),
+                                            dist.P2POp(dist.irecv, got, 1 - rank, tag=7)])
+            works[-1].wait()
+            works[0].wait()
+            return got
+        sent = pipe.send(boundary, 1 - rank, 7)
+        got = pipe.recv(boundary.shape, boundary.dtype, 1 - rank, 7)
+        sent.wait()
+        return got
+
     result: dict = {}
-    for name, fn in (("all_to_all_single", a2a), ("all_gather", gather)):
+    for name, fn in (("all_to_all_single", a2a), ("all_gather", gather), ("boundary", exchange)):
         same = torch.equal(fn("gloo"), fn("channel"))
         times = {"gloo": [], "channel": []}
         for _ in range(ROUNDS):
@@ -76,6 +96,7 @@ def _rank(rank: int, store_path: str, iters: int, rows: int, out_path: str) -> N
         row["cpu_ratio_gloo_over_channel"] = round(row["gloo_cpu_us"] / row["channel_cpu_us"], 2)
         result[name] = row
     channel.close()
+    pipe.close()
     dist.destroy_process_group()
     Path(out_path).write_text(json.dumps(result))
 

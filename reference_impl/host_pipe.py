@@ -13,7 +13,8 @@ p - 1 and p + 1 mod P of its EP column: stage i lives on pipeline rank i mod P, 
 neighbours, the interleaved schedules' wrap from the last rank to the first included).
 
 Messages are tagged (the executor's (direction, sender stage, microbatch) tag, as under gloo), so a receive can
-only ever take its own message: whatever arrives first is kept by (peer, tag) until its receive is posted.  Sends
+only ever take its own message: whatever arrives first is kept by (peer, tag) until its receive is posted, and
+messages of one peer and tag are received in the order they were sent (as gloo and MPI match them).  Sends
 never block: what the socket does not take at once stays queued and goes out while this rank waits for anything
 (a receive, or a send's `wait`), and a waiting rank reads every peer's messages as they come; so no two ranks can
 wait on each other's full buffers, whatever the message size.  Each message carries its tag and length, checked
@@ -65,7 +66,7 @@ class HostPipe:
         self.queued = dict.fromkeys(peers, 0)       # buffers ever queued for / fully written to each peer
         self.written = dict.fromkeys(peers, 0)
         self.inbound = {p: _Inbound() for p in peers}
-        self.arrived: dict[tuple[int, int], torch.Tensor] = {}          # (peer, tag) -> payload
+        self.arrived: dict[tuple[int, int], deque] = {}     # (peer, tag) -> payloads, in the order they came
         self.closed: set[int] = set()               # peers whose end is closed (read to the end)
         for p, s in peers.items():
             s.setblocking(False)
@@ -100,7 +101,10 @@ class HostPipe:
         (meanwhile writing the queued sends and reading every peer).  Raises `ChannelError` when it has another
         length, or the peer is gone or silent for ``timeout_s``."""
         self._progress(lambda: (peer, tag) in self.arrived, peer)
-        payload = self.arrived.pop((peer, tag))
+        queue = self.arrived[(peer, tag)]
+        payload = queue.popleft()
+        if not queue:
+            del self.arrived[(peer, tag)]
         out = torch.empty(0, dtype=dtype)
         nbytes = out.element_size() * torch.Size(shape).numel()
         if payload.numel() != nbytes:
@@ -152,9 +156,7 @@ class HostPipe:
                 msg.payload, msg.got = torch.empty(size, dtype=torch.uint8), 0
                 if size:
                     continue
-            if (peer, msg.tag) in self.arrived:
-                raise ChannelError(f"rank {self.rank}: rank {peer} sent tag {msg.tag} twice before it was received")
-            self.arrived[(peer, msg.tag)] = msg.payload
+            self.arrived.setdefault((peer, msg.tag), deque()).append(msg.payload)
             self.inbound[peer] = msg = _Inbound()
 
     def _progress(self, done, waiting_for: int) -> None:

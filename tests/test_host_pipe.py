@@ -51,8 +51,13 @@ def _worker(rank: int, world: int, store_path: str, out_path: str, scenario: str
                 s.wait()
             if rank == world - 1:       # done: closes its end while the others still talk
                 return
-            time.sleep(0.3)
             partner = 1 - rank
+            # one tag twice (the same boundary of the next step): received in the order sent
+            for k in range(2):
+                pipe.send(_message(rank, partner, torch.float32, 3 + k), partner, 999)
+            res["same_tag_in_order"] = all(torch.equal(pipe.recv((3 + k,), torch.float32, partner, 999),
+                                                        _message(partner, rank, torch.float32, 3 + k)) for k in range(2))
+            time.sleep(0.3)
             pipe.send(_message(rank, partner, torch.float32, 5), partner, 1).wait()
             res["after_a_peer_finished"] = torch.equal(pipe.recv((5,), torch.float32, partner, 1),
                                                        _message(partner, rank, torch.float32, 5))
@@ -102,7 +107,7 @@ def test_every_message_reaches_the_receive_of_its_tag_whatever_its_size_and_orde
     res = _run(tmp_path, 3, "equal")
     for r in range(3):
         assert "error" not in res[r], (r, res[r])
-        assert len(res[r]) == 2 * len(DTYPES) * len(SIZES) + (r < 2) and all(res[r].values()), (r, res[r])
+        assert len(res[r]) == 2 * len(DTYPES) * len(SIZES) + 2 * (r < 2) and all(res[r].values()), (r, res[r])
 
 
 @pytest.mark.parametrize("scenario, line", [
