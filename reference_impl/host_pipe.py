@@ -88,7 +88,7 @@ class HostPipe:
         """Queue contiguous CPU tensor `t` for `peer` under `tag` and write what the socket takes now; `t` must
         stay unchanged until the handle's ``wait()`` has returned."""
         payload = _bytes(t)
-        queue = self.outbox[peer]
+        queue = self.outbox[self._neighbour(peer)]
         was_idle = not queue
         queue.extend((memoryview(_HEADER.pack(tag, len(payload))), payload))
         self.queued[peer] += 2
@@ -100,17 +100,23 @@ class HostPipe:
         """`peer`'s message `tag` as a new CPU tensor of `shape` and `dtype` (its bytes, no copy), waiting for it
         (meanwhile writing the queued sends and reading every peer).  Raises `ChannelError` when it has another
         length, or the peer is gone or silent for ``timeout_s``."""
-        self._progress(lambda: (peer, tag) in self.arrived, peer)
-        queue = self.arrived[(peer, tag)]
+        key = (self._neighbour(peer), tag)
+        self._progress(lambda: key in self.arrived, peer)
+        queue = self.arrived[key]
         payload = queue.popleft()
         if not queue:
-            del self.arrived[(peer, tag)]
+            del self.arrived[key]
         out = torch.empty(0, dtype=dtype)
         nbytes = out.element_size() * torch.Size(shape).numel()
         if payload.numel() != nbytes:
             raise ChannelError(f"rank {self.rank}: rank {peer} sent {payload.numel()} bytes under tag {tag} where "
                                f"{nbytes} ({list(shape)}, {dtype}) were expected")
         return out.set_(payload.untyped_storage(), 0, shape)
+
+    def _neighbour(self, peer: int) -> int:
+        if peer not in self.peers:
+            raise ChannelError(f"rank {self.rank}: rank {peer} is not linked to it (its neighbours: {sorted(self.peers)})")
+        return peer
 
     def _write(self, peer: int) -> None:
         """Write the queue of `peer` until it is empty or the socket is full (then wait for it to drain)."""
