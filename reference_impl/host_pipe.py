@@ -133,6 +133,8 @@ class HostPipe:
             pass
         except OSError as e:
             raise ChannelError(f"rank {self.rank}: rank {peer}: Connection closed by peer ({e})") from e
+        if peer in self.closed:     # read to its end (unregistered): what is left fails the next write
+            return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if queue else 0)
         if self.selector.get_key(s).events != events:
             self.selector.modify(s, events, peer)
