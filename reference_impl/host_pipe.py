@@ -44,13 +44,12 @@ def ring_neighbours(pp_rank: int, pipeline_size: int) -> set[int]:
 
 
 class _Inbound:
-    """The message being read from one peer: its header, then its payload into a fresh uint8 tensor."""
+    """The message being read from one peer: its header, then its payload into a fresh uint8 tensor; `view` is
+    the bytes being filled (``got`` of them so far)."""
 
     def __init__(self):
         self.header, self.got, self.tag, self.payload = bytearray(_HEADER.size), 0, None, None
-
-    def view(self) -> memoryview:
-        return memoryview(self.header) if self.payload is None else _bytes(self.payload)
+        self.view = memoryview(self.header)
 
 
 class HostPipe:
@@ -63,8 +62,7 @@ class HostPipe:
         self.rank, self.peers, self.timeout_s = rank, peers, timeout_s
         self.selector = selectors.DefaultSelector()
         self.outbox: dict[int, deque] = {p: deque() for p in peers}     # memoryviews still to write, per peer
-        self.queued = dict.fromkeys(peers, 0)       # buffers ever queued for / fully written to each peer
-        self.written = dict.fromkeys(peers, 0)
+        self.written = dict.fromkeys(peers, 0)      # buffers fully written to each peer, ever
         self.inbound = {p: _Inbound() for p in peers}
         self.arrived: dict[tuple[int, int], deque] = {}     # (peer, tag) -> payloads, in the order they came
         self.closed: set[int] = set()               # peers whose end is closed (read to the end)
@@ -91,10 +89,10 @@ class HostPipe:
         queue = self.outbox[self._neighbour(peer)]
         was_idle = not queue
         queue.extend((memoryview(_HEADER.pack(tag, len(payload))), payload))
-        self.queued[peer] += 2
+        last = self.written[peer] + len(queue)      # this message is out once that many buffers are
         if was_idle:
             self._write(peer)
-        return _Sent(self, peer, self.queued[peer])
+        return _Sent(self, peer, last)
 
     def recv(self, shape: tuple, dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
         """`peer`'s message `tag` as a new CPU tensor of `shape` and `dtype` (its bytes, no copy), waiting for it
@@ -143,9 +141,8 @@ class HostPipe:
         """Read what `peer` has sent, completing messages into ``arrived``."""
         s, msg = self.peers[peer], self.inbound[peer]
         while True:
-            view = msg.view()
             try:
-                n = s.recv_into(view[msg.got:])
+                n = s.recv_into(msg.view[msg.got:])
             except BlockingIOError:
                 return
             except OSError as e:
@@ -157,11 +154,12 @@ class HostPipe:
                 self.closed.add(peer)
                 return
             msg.got += n
-            if msg.got < len(view):
+            if msg.got < len(msg.view):
                 continue
             if msg.payload is None:
                 msg.tag, size = _HEADER.unpack(msg.header)
                 msg.payload, msg.got = torch.empty(size, dtype=torch.uint8), 0
+                msg.view = _bytes(msg.payload)
                 if size:
                     continue
             self.arrived.setdefault((peer, msg.tag), deque()).append(msg.payload)

@@ -152,9 +152,8 @@ def setup(device: str, rank: int, world_size: int, store, timeout_s: float,
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         transport = Transport("gloo", torch.device("cpu"), False, {}, **ep)
         if store is not None:       # forked on this host: the boundaries go over sockets to the ring neighbours
-            size = expert_model_parallel_size
-            pp, column = divmod(rank, size)
-            peers = {p * size + column for p in host_pipe.ring_neighbours(pp, world_size // size)}
+            pp_rank = rank // expert_model_parallel_size
+            peers = {transport.global_rank(p) for p in host_pipe.ring_neighbours(pp_rank, transport.pipeline_size)}
             if peers:
                 transport.pipe = host_pipe.HostPipe.connect(store, "pipeline", rank, peers, timeout_s)
         return transport
