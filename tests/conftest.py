@@ -56,6 +56,26 @@ def verify_text_once(tmp_path_factory, filename: str, text: str, *args,
     return once(tmp_path_factory, ["verify-text", filename, text, *args], run)
 
 
+def spawn_ranks(worker, tmp_path: Path, world: int, scenario: str) -> list[dict]:
+    """Run ``worker(rank, world, store_path, out_path, scenario)`` in `world` spawned processes that rendezvous
+    through one FileStore (as the fork launcher's ranks do); each writes a JSON dict to its out_path, returned in
+    rank order.  A rank still alive after 120 s is killed and fails the test, as does a nonzero exit code."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, world, str(tmp_path / "store"), str(tmp_path / f"r{r}.json"),
+                                              scenario)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{scenario}: a rank hung"
+    assert [p.exitcode for p in procs] == [0] * world
+    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
+
+
 def refusal(case, **load_case_args) -> str:
     """The one line `load_case` refuses `case` with, in this process: what ``bitparity verify CASE`` prints after
     ``bitparity: error:``, exit 2, nothing written (the command treats every UsageError alike: test_cli_errors, and

@@ -7,12 +7,12 @@ The processes are spawned and rendezvous through a FileStore, as the fork launch
 check is tests/test_launchers.py (the fork launcher's runs over these sockets bitwise equal to torchrun's over
 gloo) and every multi-stage case of the suite."""
 import json
-import multiprocessing as mp
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import spawn_ranks
 
 from reference_impl.host_channel import ChannelError
 from reference_impl.host_pipe import HostPipe, ring_neighbours
@@ -83,19 +83,7 @@ def _worker(rank: int, world: int, store_path: str, out_path: str, scenario: str
 
 
 def _run(tmp_path: Path, world: int, scenario: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), str(tmp_path / f"r{r}.json"),
-                                               scenario)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"{scenario}: a rank hung"
-    assert [p.exitcode for p in procs] == [0] * world
-    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
+    return spawn_ranks(_worker, tmp_path, world, scenario)
 
 
 def test_ring_neighbours():
