@@ -29,6 +29,7 @@ The two differ from torch's in rounding only (torch forms m with ``lerp`` and th
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -51,16 +52,39 @@ def sqrt_correctly_rounded(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.sqrt(src.numpy()))
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW:
     """AdamW over fp32 master weights, single tensor at a time (each parameter's update depends only on its
     own tensors).  State per parameter, as ``torch.optim.AdamW`` names it (checkpoints keep these names):
     ``step`` (0-dim fp32 tensor, steps taken), ``exp_avg`` and ``exp_avg_sq`` (the parameter's shape, fp32).
 
-    Param-group keys: ``lr``, ``betas`` (β1, β2), ``eps``, ``weight_decay`` (per group: 0 for norms).
+    ``param_groups`` and ``state`` are laid out as ``torch.optim.Optimizer``'s: `params` is an iterable of
+    tensors or of dicts with ``params`` and overrides of the defaults; group keys ``lr``, ``betas`` (β1, β2),
+    ``eps``, ``weight_decay`` (per group: 0 for norms); ``state[p]`` a dict, empty until p's first update.
+
+    Why not derive from ``torch.optim.Optimizer``: this class uses nothing of it but those two containers, and its
+    ``add_param_group`` imports ``torch._dynamo`` on first call (``torch._disable_dynamo``): ~2-4 s of CPU on 2
+    cores in every rank, since the forkserver no longer preloads dynamo (`worker.deterministic_torch`).
+
+    Raises:
+        ValueError: a tensor in two param groups, or a group without ``params``.
     """
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.param_groups: list[dict] = []
+        seen: set[int] = set()
+        for i, group in enumerate(groups):
+            if "params" not in group:
+                raise ValueError(f"AdamW: param group {i} has no 'params'")
+            tensors = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+            if any(id(p) in seen for p in tensors):
+                raise ValueError(f"AdamW: param group {i} repeats a parameter of an earlier group")
+            seen.update(id(p) for p in tensors)
+            self.param_groups.append({**defaults, **group, "params": tensors})
+        self.state: collections.defaultdict = collections.defaultdict(dict)
 
     @torch.no_grad()
     def step(self, closure=None):

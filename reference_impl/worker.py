@@ -17,7 +17,6 @@ from trainerkit import process
 process.guard_forkserver()      # before the slow imports below
 
 import torch
-import torch._inductor.config  # noqa: F401  use_deterministic_algorithms imports it (~2 s): pay once, pre-fork
 import torch.distributed as dist
 
 from trainerkit.config import RunConfig
@@ -32,8 +31,20 @@ def deterministic_torch() -> None:
     (``torch.utils.deterministic.fill_uninitialized_memory``) in case an operation reads memory it did not
     write; every operation of this trainer writes all it reads (the collectives' and receives' buffers are
     filled whole), so the fills change no bit (goldens, and old-vs-new traces of the dsv3 runs), and on CUDA
-    they were ~120 of the ~540 kernel launches of an MoE layer's forward and backward (measured on an H200)."""
-    torch.use_deterministic_algorithms(True)
+    they were ~120 of the ~540 kernel launches of an MoE layer's forward and backward (measured on an H200).
+
+    The switch is ATen's own flag (``at::Context::setDeterministicAlgorithms``, which every kernel consults and
+    ``torch.are_deterministic_algorithms_enabled`` reads): the public ``torch.use_deterministic_algorithms`` sets
+    it too, but first imports ``torch._inductor.config`` to set inductor's flag of the same name, which only code
+    compiled by inductor reads (this trainer compiles nothing).  That import is torch._dynamo and inductor, ~2-4 s
+    of CPU on 2 cores (about as much as torch's own import): once per `bitparity verify` in the forkserver that
+    preloads this module, and once per rank under torchrun.  A torch without the private setter takes the public
+    function."""
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None:
+        torch.use_deterministic_algorithms(True)
+    else:
+        setter(True, warn_only=False)
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 

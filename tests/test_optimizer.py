@@ -88,3 +88,20 @@ def test_it_is_adamw():
         b.step()
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-6)
     assert not torch.equal(ours, p0)
+
+
+@pytest.mark.arithmetic_free
+def test_param_groups_and_state_are_laid_out_as_torch_optims():
+    """What the trainer, the checkpoint and the capture read: groups with the defaults filled in and a group's own
+    values kept, tensors or groups accepted, ``state`` empty per parameter until its first update."""
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True)
+    opt = AdamW([{"params": [a], "weight_decay": 0.1}, {"params": b}], **HP)
+    assert [g["params"] for g in opt.param_groups] == [[a], [b]]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert all(g["lr"] == HP["lr"] and g["betas"] == HP["betas"] for g in opt.param_groups)
+    assert opt.state[a] == {} and a in opt.state
+    assert AdamW([a, b], **HP).param_groups[0]["params"] == [a, b]
+    with pytest.raises(ValueError, match="group 1 repeats a parameter"):
+        AdamW([{"params": [a, b]}, {"params": [b]}], **HP)
+    with pytest.raises(ValueError, match="group 0 has no 'params'"):
+        AdamW([{"lr": 1.0}], **HP)

@@ -115,9 +115,9 @@ def test_wrong_boundary_shape_names_the_boundary(tmp_path, direction, layout, se
 
 @pytest.mark.torchrun
 def test_torchrun_timeout_names_stuck_ranks(tmp_path):
-    # Each torchrun rank imports torch on its own (~7.5 s of CPU here, torch._inductor included: see
-    # reference_impl.worker), so two ranks on 2 cores take ~10 s to reach the hang and a box at half speed ~20 s:
-    # the timeout leaves that twice over, else the ranks are asked for stacks before they can give one.
+    # Each torchrun rank imports torch on its own (~4 s of CPU on this box on a slow day), so two ranks on 2 cores
+    # reach the hang in ~8 s (11-13 s while the worker still imported torch._inductor), a box at half speed in
+    # ~16-26 s: the timeout leaves room for that, else the ranks are asked for stacks before they can give one.
     out = _run(tmp_path, "Ett|ttmL", 2, inject="hang_rank", launcher="torchrun", timeout=45)
     err = out["error"]
     assert err.startswith("timeout after 45 s (torchrun); ranks still running: [0, 1]"), err
