@@ -16,8 +16,13 @@ from trainerkit import process
 
 process.guard_forkserver()      # before the slow imports below
 
+# imported once here, pre-fork, not in every rank: numpy.random for the token data (trainerkit.data); sympy through
+# symbolic_shapes, which torch.autograd.backward imports (~0.5 s of CPU) whenever it is handed an output gradient,
+# as every pipeline stage but the last is
+import numpy.random  # noqa: F401
 import torch
 import torch.distributed as dist
+import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 from trainerkit.config import RunConfig
 
