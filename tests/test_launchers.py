@@ -66,7 +66,7 @@ def test_the_forkserver_preloads_each_megatron_source_once_on_cpu(monkeypatch, s
     from trainerkit.process import PRELOAD_ENV, PRELOAD_SOURCE_ENV
     seen, started = [], []
     monkeypatch.setattr(runner, "_set_preload", lambda modules, source=None: seen.append((modules, source)))
-    monkeypatch.setattr(runner, "_start_forkserver", lambda: None)
+    monkeypatch.setattr(runner, "_start_forkserver", lambda fork=False: None)
 
     def start(source, env, preload):
         started.append((source, env[PRELOAD_SOURCE_ENV], env[PRELOAD_ENV].split(","), preload))
@@ -96,3 +96,25 @@ def test_the_forkserver_preloads_each_megatron_source_once_on_cpu(monkeypatch, s
             assert env_source == server and preload == [runner.PRELOAD_GUARD]
             assert env_modules[:2] == ["reference_impl.worker", "megatron_trainer.worker"]
             assert env_modules[-1] == "megatron_trainer.preload"
+
+
+def test_runs_on_cuda_never_fork_the_forkserver_from_the_harness(monkeypatch):
+    """The harness validates a CUDA case by asking torch for the devices (`planning.cases.load_case`), and torch's
+    device query marks the process: a fork of it can never use CUDA ("Cannot re-initialize CUDA in forked
+    subprocess", the first CUDA call of every rank, seen on an H100 when the server was the harness forked).  So
+    the server of CUDA runs is a new interpreter, whatever the trainer; CPU runs of the reference trainer fork it
+    from a harness that holds no megatron (`runner.preload`)."""
+    import sys
+
+    from harness.planning.cases import load_case
+    from harness.running import runner
+    forks = []
+    monkeypatch.setattr(runner, "_set_preload", lambda modules, source=None: None)
+    monkeypatch.setattr(runner, "_start_forkserver", lambda fork=False: forks.append(fork))
+    config = load_case(ROOT / "cases" / "smoke.yaml").runs[0].config
+    cuda = config.model_copy(update={"device": "cuda"})
+    mc_cuda = cuda.model_copy(update={"trainer": "megatron-core"})
+    for configs, fork in (([cuda], False), ([config, cuda], False), ([mc_cuda], False),
+                          ([config], "megatron" not in sys.modules)):
+        runner.preload(configs)
+        assert forks[-1] is fork, ([(c.trainer, c.device) for c in configs], forks[-1])

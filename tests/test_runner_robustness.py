@@ -267,7 +267,7 @@ FORKED_SERVER = textwrap.dedent("""
     if sys.argv[2] == "second thread":
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
     runner._set_preload([runner.WORKERS["reference"], "counted"])
-    runner._start_forkserver()
+    runner._start_forkserver(fork=True)
     state = runner.in_forkserver(counted.state)
     pid = forkserver._forkserver._forkserver_pid
     held = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]

@@ -92,7 +92,8 @@ def preload(configs) -> None:
     # on the harness's (`planning.sources.use_head`); `megatron_trainer.preload` puts a named directory first
     sources = {c.megatron_path for c in configs if trainers.runs_megatron(c.trainer)}
     source, holds_mine = None, False
-    if sources and not any(c.device == "cuda" for c in configs):
+    on_cuda = any(c.device == "cuda" for c in configs)
+    if sources and not on_cuda:
         libraries = modules + [trainers.entry(t).library_preload for t in names if trainers.entry(t).library_preload]
         # the megatron this process imports (the interpreter's own, None, or the --megatron-head it activated) in
         # multiprocessing's forkserver, which is then this process forked (`_start_forkserver`); every further
@@ -106,23 +107,19 @@ def preload(configs) -> None:
                                  [PRELOAD_GUARD]) for other in others):
             modules, source, holds_mine = libraries, first, first in mine
     _set_preload(modules, source)
-    global _HOLDS_MY_MEGATRON
-    _HOLDS_MY_MEGATRON = holds_mine
-    _start_forkserver()
+    # the server is this process forked (`forkservers.forked_spawn`) unless this process has imported a megatron the
+    # preload would not import (another directory's, or one the server must not hold), or the runs are on CUDA:
+    # validating them asked torch for the devices (`planning.cases.load_case`), and torch's device query marks a
+    # process whose forks can never use CUDA ("Cannot re-initialize CUDA in forked subprocess" in every rank); a
+    # new interpreter starts clean
+    _start_forkserver(fork=not on_cuda and ("megatron" not in sys.modules or holds_mine))
 
 
-#: whether the forkserver's preload is the megatron-core this process imports (`preload`): the interpreter's own
-#: or the ``--megatron-head`` the harness activated (`planning.sources.use_head`)
-_HOLDS_MY_MEGATRON = False
-
-
-def _start_forkserver() -> None:
-    # started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
-    # which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
-    # (harness.running.pool) would be killed when that thread ends, and the next run would find it gone.
-    # Forked from this process (`forkservers.forked_spawn`) unless this process has imported a megatron the
-    # preload would not import: another directory's, or one the server must not hold (CUDA runs)
-    fork = "megatron" not in sys.modules or _HOLDS_MY_MEGATRON
+def _start_forkserver(fork: bool = False) -> None:
+    """Start the forkserver unless it runs; `fork`: as this process forked (see `preload`), else a new interpreter.
+    Started here, in the calling (main) thread: the forkserver asks to die with its parent (PR_SET_PDEATHSIG),
+    which the kernel applies to the *thread* that forked it, so one started by a run's worker thread
+    (harness.running.pool) would be killed when that thread ends, and the next run would find it gone."""
     forkservers.ensure_running(forkserver.ensure_running, fork=fork)
 
 
